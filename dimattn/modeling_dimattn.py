@@ -1,0 +1,246 @@
+"""A Pythia / GPT-NeoX style causal LM whose attention keeps full-dimensional keys and values for
+the last ``window`` tokens and sends older tokens through a ``d_down`` bottleneck (seed 000).
+
+Read top to bottom: rotary embedding, Bottleneck, CausalSelfAttention, MLP, Block, the model.
+Parameter names follow transformers' GPT-NeoX so that a vanilla model counts exactly as Pythia.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .attention import ATTENTION_VARIANTS
+from .configuration_dimattn import DimAttnConfig
+
+# Attention implementations that mean "use our own kernels"; any other registered name (for
+# example the query/key capture of the DimPO stage) is called like transformers calls it.
+NATIVE_IMPLEMENTATIONS = {None, "eager", "sdpa"}
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """GPT-NeoX partial rotary: the first ``rotary_pct * head_dim`` channels rotate."""
+
+    def __init__(self, config: DimAttnConfig):
+        super().__init__()
+        self.rotary_ndims = int(config.head_dim * config.rotary_pct)
+        inv_freq = 1.0 / (
+            config.rotary_emb_base ** (torch.arange(0, self.rotary_ndims, 2).float() / self.rotary_ndims)
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids):  # (B, T) -> cos, sin (B, 1, T, rotary_ndims)
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos()[:, None], emb.sin()[:, None]
+
+
+def apply_rotary(x, cos, sin):
+    n = cos.shape[-1]
+    x_rot, x_pass = x[..., :n], x[..., n:]
+    x_rot = x_rot * cos.to(x.dtype) + rotate_half(x_rot) * sin.to(x.dtype)
+    return torch.cat((x_rot, x_pass), dim=-1)
+
+
+class Bottleneck(nn.Module):
+    """h' = (h W_down) W_up, seed 000 Eq. 1-2: d -> d_down -> d, no bias."""
+
+    def __init__(self, config: DimAttnConfig):
+        super().__init__()
+        self.down = nn.Linear(config.hidden_size, config.d_down, bias=False)
+        self.up = nn.Linear(config.d_down, config.hidden_size, bias=False)
+
+    def forward(self, h):
+        return self.up(self.down(h))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: DimAttnConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.variant = ATTENTION_VARIANTS[config.attention]
+        # Attributes transformers' attention functions read (used by the DimPO capture).
+        self.is_causal = True
+        self.num_key_value_groups = 1
+        self.scaling = self.head_dim**-0.5
+        # GPT-NeoX layout: per head, [q | k | v] interleaved in one fused projection.
+        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.bottleneck = Bottleneck(config) if self.variant.far else None
+
+    def _split_heads(self, x, parts):  # (B, T, H * parts * hs) -> parts x (B, H, T, hs)
+        b, t, _ = x.shape
+        x = x.view(b, t, self.num_heads, parts * self.head_dim).transpose(1, 2)
+        return x.chunk(parts, dim=-1)
+
+    def _key_value(self, h_far):
+        """Keys and values of the bottlenecked states, reusing W_K and W_V (seed 000, Eq. 3)."""
+        d = self.config.hidden_size
+        w = self.query_key_value.weight.view(self.num_heads, 3, self.head_dim, d)[:, 1:]
+        b = self.query_key_value.bias.view(self.num_heads, 3, self.head_dim)[:, 1:]
+        return self._split_heads(F.linear(h_far, w.reshape(-1, d), b.reshape(-1)), 2)
+
+    def forward(self, h, cos, sin, key_padding_mask=None, cache: Cache | None = None):
+        b, t, _ = h.shape
+        q, k, v = self._split_heads(self.query_key_value(h), 3)  # (B, H, T, hs)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        near_kv = far_kv = None
+        if self.variant.near:
+            near_kv = (k, v)
+        if self.variant.far:
+            k_far, v_far = self._key_value(self.bottleneck(h))
+            far_kv = (apply_rotary(k_far, cos, sin), v_far)
+
+        if cache is not None:
+            # One cache entry per layer: near and far sets side by side along head_dim.
+            keys = torch.cat([kv[0] for kv in (near_kv, far_kv) if kv is not None], dim=-1)
+            values = torch.cat([kv[1] for kv in (near_kv, far_kv) if kv is not None], dim=-1)
+            keys, values = cache.update(keys, values, self.layer_idx)
+            keys, values = keys.split(self.head_dim, dim=-1), values.split(self.head_dim, dim=-1)
+            pairs = iter(zip(keys, values))
+            near_kv = next(pairs) if self.variant.near else None
+            far_kv = next(pairs) if self.variant.far else None
+
+        implementation = getattr(self.config, "_attn_implementation", None)
+        if implementation not in NATIVE_IMPLEMENTATIONS:
+            if self.variant.far:
+                raise ValueError(f"attention implementation {implementation!r} supports only vanilla models")
+            out, _ = ALL_ATTENTION_FUNCTIONS[implementation](
+                self, q, *near_kv, None, scaling=self.scaling, dropout=0.0
+            )
+        else:
+            out = self.variant(
+                q, near_kv, far_kv, window=self.config.window, key_padding_mask=key_padding_mask
+            ).transpose(1, 2)
+        return self.dense(out.reshape(b, t, -1))  # (B, T, H, hs) -> (B, T, d)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DimAttnConfig):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x):
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: DimAttnConfig, layer_idx: int):
+        super().__init__()
+        self.use_parallel_residual = config.use_parallel_residual
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attention = CausalSelfAttention(config, layer_idx)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, key_padding_mask=None, cache=None):
+        a = self.attention(self.input_layernorm(x), cos, sin, key_padding_mask, cache)
+        if self.use_parallel_residual:  # Pythia: x + attn(ln1(x)) + mlp(ln2(x))
+            return x + a + self.mlp(self.post_attention_layernorm(x))
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DimAttnPreTrainedModel(PreTrainedModel):
+    config_class = DimAttnConfig
+    base_model_prefix = "gpt_neox"
+    _no_split_modules = ["Block"]
+    _supports_sdpa = True
+    _supports_attention_backend = True
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+
+class DimAttnModel(DimAttnPreTrainedModel):
+    def __init__(self, config: DimAttnConfig):
+        super().__init__(config)
+        self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([Block(config, i) for i in range(config.num_hidden_layers)])
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_in
+
+    def set_input_embeddings(self, value):
+        self.embed_in = value
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None):
+        b, t = input_ids.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        key_padding_mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            key_padding_mask = attention_mask.bool()  # (B, past + T)
+        if position_ids is None:
+            if attention_mask is not None:  # left padding: positions count real tokens only
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
+            else:
+                position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
+        cos, sin = self.rotary(position_ids)
+        x = self.embed_in(input_ids)  # (B, T, d)
+        for block in self.layers:
+            x = block(x, cos, sin, key_padding_mask, cache)
+        return self.final_layer_norm(x)
+
+
+class DimAttnForCausalLM(DimAttnPreTrainedModel, GenerationMixin):
+    def __init__(self, config: DimAttnConfig):
+        super().__init__(config)
+        self.gpt_neox = DimAttnModel(config)
+        self.embed_out = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.embed_out
+
+    def set_output_embeddings(self, value):
+        self.embed_out = value
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache: Cache | None = None,
+        labels=None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ):
+        cache = cache if cache is not None else past_key_values
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        hidden = self.gpt_neox(input_ids, attention_mask, position_ids, cache if use_cache is not False else None)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.embed_out(hidden)
+        loss = None
+        if labels is not None:  # next-token prediction, seed 000 Eq. 5
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
