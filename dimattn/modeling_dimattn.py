@@ -27,18 +27,21 @@ def rotate_half(x):
 
 
 class RotaryEmbedding(nn.Module):
-    """GPT-NeoX partial rotary: the first ``rotary_pct * head_dim`` channels rotate."""
+    """GPT-NeoX partial rotary: the first ``rotary_pct * head_dim`` channels rotate.
+
+    The frequencies are recomputed at each call rather than kept in a buffer: from_pretrained
+    builds modules on the meta device and would leave a non-persistent buffer uninitialised.
+    """
 
     def __init__(self, config: DimAttnConfig):
         super().__init__()
         self.rotary_ndims = int(config.head_dim * config.rotary_pct)
-        inv_freq = 1.0 / (
-            config.rotary_emb_base ** (torch.arange(0, self.rotary_ndims, 2).float() / self.rotary_ndims)
-        )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.base = config.rotary_emb_base
 
     def forward(self, position_ids):  # (B, T) -> cos, sin (B, 1, T, rotary_ndims)
-        freqs = position_ids[..., None].float() * self.inv_freq
+        exponents = torch.arange(0, self.rotary_ndims, 2, device=position_ids.device).float() / self.rotary_ndims
+        inv_freq = 1.0 / (self.base**exponents)
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos()[:, None], emb.sin()[:, None]
 

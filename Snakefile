@@ -1,0 +1,24 @@
+# How many dimensions attention needs: DAR (seed 000), sliding-window attention (seed 001)
+# and DimPO (seed 003), from data download to LaTeX tables and figures.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+report: "report/workflow.rst"
+
+
+include: "rules/common.smk"
+include: "rules/data.smk"
+include: "rules/pretrain.smk"
+include: "rules/evaluate.smk"
+include: "rules/dimpo.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    input:
+        all_outputs(),

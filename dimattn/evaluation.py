@@ -1,0 +1,223 @@
+"""Held-out perplexity, and lm-evaluation-harness through its stock ``hf`` model on task YAMLs
+that the workflow writes itself from the held-out split (so the default run stays offline).
+"""
+
+import json
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM
+
+from .data import load_tokens, read_documents
+
+HELDOUT_TASK = "dimattn_heldout"  # loglikelihood_rolling over held-out documents
+NEXT_LINE_TASK = "dimattn_next_line"  # 4-way choice of the true next verse line
+
+
+def run_metadata(model_dir: Path) -> dict:
+    """The fields that identify a run in every summary."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    variant = config["attention"]
+    return {
+        "run": Path(model_dir).name,
+        "variant": variant,
+        "d_model": config["hidden_size"],
+        "d_down": config["d_down"] if variant != "vanilla" else None,
+        "window": config["window"] if variant == "dar" else None,
+    }
+
+
+def load_model(model_dir: Path, device: str = "cpu"):
+    # Our own directory: trust_remote_code runs the modeling file saved beside the weights.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True)
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: int | None = None) -> dict:
+    """Mean next-token NLL over non-overlapping windows of seq_len covering the split."""
+    n = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
+    n_windows = n // seq_len
+    if n_windows == 0:
+        raise ValueError(f"held-out split has {n} tokens, fewer than seq_len={seq_len}")
+    windows = torch.from_numpy(tokens[: n_windows * seq_len].astype(np.int64)).view(n_windows, seq_len)
+    device = next(model.parameters()).device
+    total_nll, total_count = 0.0, 0
+    for x in tqdm(windows.split(batch_size), desc="perplexity", mininterval=5):
+        x = x.to(device)
+        logits = model(x).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
+        total_nll += nll.item()
+        total_count += x[:, 1:].numel()
+    loss = total_nll / total_count
+    return {"n_tokens": total_count, "loss": loss, "ppl": math.exp(loss)}
+
+
+def evaluate_perplexity(model_dir: Path, tokens_bin: Path, corpus: str, seq_len: int, batch_size: int,
+                        max_tokens: int | None, out_json: Path, device: str = "cpu") -> dict:
+    tokens, _ = load_tokens(tokens_bin)
+    model = load_model(model_dir, device)
+    result = {**run_metadata(model_dir), "corpus": corpus, "split": "test"}
+    result.update(perplexity(model, tokens, seq_len, batch_size, max_tokens))
+    _write_json(result, out_json)
+    return result
+
+
+# --- lm-evaluation-harness -------------------------------------------------------------------
+
+
+def _chunks(text: str, min_chars: int) -> list[str]:
+    """Group blank-line separated paragraphs (speeches) into documents of at least min_chars."""
+    docs, current = [], []
+    for para in text.split("\n\n"):
+        if para.strip():
+            current.append(para.strip("\n"))
+        if sum(len(p) for p in current) >= min_chars:
+            docs.append("\n\n".join(current))
+            current = []
+    if current:
+        docs.append("\n\n".join(current))
+    return docs
+
+
+def _verse_lines(text: str) -> list[str]:
+    """Lines of spoken text: skip speaker names (all caps), stage directions and short lines."""
+    lines = []
+    for line in text.splitlines():
+        s = line.strip()
+        if len(s) < 20 or s.isupper() or s.startswith("[") or s.startswith("ACT") or s.startswith("SCENE"):
+            continue
+        lines.append(s)
+    return lines
+
+
+def build_lm_eval_data(test_jsonl: Path, heldout_docs: int, next_line_docs: int, min_chars: int,
+                       context_lines: int, seed: int) -> dict[str, list[dict]]:
+    rng = random.Random(seed)
+    works = list(read_documents(test_jsonl))
+    heldout = [d for w in works for d in _chunks(w["text"], min_chars)]
+    rng.shuffle(heldout)
+    next_line = []
+    for w in works:
+        lines = _verse_lines(w["text"])
+        for i in range(context_lines, len(lines)):
+            distractors = rng.sample([l for j, l in enumerate(lines) if j != i], 3)
+            choices = [lines[i]] + distractors
+            rng.shuffle(choices)
+            next_line.append({
+                "context": "\n".join(lines[i - context_lines : i]),
+                "choices": choices,
+                "label": choices.index(lines[i]),
+            })
+    rng.shuffle(next_line)
+    return {HELDOUT_TASK: [{"text": t} for t in heldout[:heldout_docs]], NEXT_LINE_TASK: next_line[:next_line_docs]}
+
+
+def task_yamls(data_files: dict[str, Path]) -> dict[str, dict]:
+    """lm-eval task configs over local JSONL files (the `json` builder of `datasets`, offline)."""
+    common = {"dataset_path": "json", "test_split": "test"}
+    return {
+        HELDOUT_TASK: {
+            **common,
+            "task": HELDOUT_TASK,
+            "dataset_kwargs": {"data_files": {"test": str(data_files[HELDOUT_TASK])}},
+            "output_type": "loglikelihood_rolling",
+            "doc_to_text": "",
+            "doc_to_target": "{{text}}",
+            "metric_list": [
+                {"metric": "word_perplexity"},
+                {"metric": "byte_perplexity"},
+                {"metric": "bits_per_byte"},
+            ],
+            "metadata": {"version": 1.0},
+        },
+        NEXT_LINE_TASK: {
+            **common,
+            "task": NEXT_LINE_TASK,
+            "dataset_kwargs": {"data_files": {"test": str(data_files[NEXT_LINE_TASK])}},
+            "output_type": "multiple_choice",
+            "doc_to_text": "{{context}}\n",
+            "doc_to_choice": "{{choices}}",
+            "doc_to_target": "{{label}}",
+            "metric_list": [
+                {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+                {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+            ],
+            "metadata": {"version": 1.0},
+        },
+    }
+
+
+def write_lm_eval_tasks(test_jsonl: Path, out_dir: Path, heldout_docs: int = 64, next_line_docs: int = 200,
+                        min_chars: int = 1500, context_lines: int = 4, seed: int = 0) -> list[str]:
+    out_dir = Path(out_dir).resolve()
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    data = build_lm_eval_data(test_jsonl, heldout_docs, next_line_docs, min_chars, context_lines, seed)
+    files = {name: out_dir / f"{name}.jsonl" for name in data}
+    for name, rows in data.items():
+        if not rows:
+            raise ValueError(f"lm-eval task {name}: no documents could be built from {test_jsonl}")
+        with open(tmp / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    for name, cfg in task_yamls(files).items():
+        (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return sorted(data)
+
+
+def run_lm_eval(model_dir: Path, tasks: list[dict], tasks_dir: Path | None, batch_size: int, limit: int | None,
+                out_json: Path, device: str = "cpu", dtype: str = "float32") -> dict:
+    """Evaluate with lm-eval's own `hf` model; tasks = [{"name": ..., "num_fewshot": ...}]."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(tasks_dir) if tasks_dir else None)
+    results, configs = {}, {}
+    for shots in sorted({t.get("num_fewshot", 0) for t in tasks}):
+        names = [t["name"] for t in tasks if t.get("num_fewshot", 0) == shots]
+        out = lm_eval.simple_evaluate(
+            model="hf",
+            model_args={"pretrained": str(model_dir), "trust_remote_code": True, "dtype": dtype},
+            tasks=names,
+            num_fewshot=shots,
+            batch_size=batch_size,
+            device=device,
+            limit=limit,
+            task_manager=manager,
+            log_samples=False,
+            bootstrap_iters=0,
+        )
+        results.update(out["results"])
+        configs.update({k: v.get("num_fewshot") for k, v in out.get("configs", {}).items()})
+    record = {**run_metadata(model_dir), "results": _jsonable(results), "num_fewshot": configs}
+    _write_json(record, out_json)
+    return record
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, (np.floating, np.integer)):
+        return obj.item()
+    return obj
+
+
+def _write_json(obj: dict, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)

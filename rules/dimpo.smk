@@ -1,0 +1,79 @@
+# DimPO (seed 003): capture post-RoPE queries/keys of a frozen model on held-out text, fit one
+# shared query/key projection per layer and objective and d', score attention fidelity.
+
+
+rule capture_qkv:
+    input:
+        model=dimpo_model_dir,
+        tokens=lambda wc: tokens(
+            config["dimpo"]["dataset"], "validation" if wc.purpose == "fit" else "test"
+        ),
+    output:
+        f"{DIMPO}/{{model}}/capture_{{purpose}}.safetensors",
+    log:
+        f"{LOGS}/dimpo/capture_{{model}}_{{purpose}}.log",
+    benchmark:
+        f"{BENCH}/dimpo/capture_{{model}}_{{purpose}}.tsv"
+    wildcard_constraints:
+        purpose="fit|eval",
+    params:
+        source=dimpo_model_source,
+        capture=config.get("dimpo", {}).get("capture", {}),
+        device=config["device"],
+    threads: 1
+    resources:
+        runtime=30,
+        mem_mb=lambda wc, attempt: 8000 * attempt,
+        gpu=gpu_count(),
+    conda:
+        "../envs/torch.yaml"
+    script:
+        "../workflow_scripts/capture_qkv.py"
+
+
+rule fit_projection:
+    input:
+        f"{DIMPO}/{{model}}/capture_fit.safetensors",
+    output:
+        f"{DIMPO}/{{model}}/projections/{{objective}}-d{{d_prime}}.safetensors",
+    log:
+        f"{LOGS}/dimpo/fit_{{model}}_{{objective}}_d{{d_prime}}.log",
+    benchmark:
+        f"{BENCH}/dimpo/fit_{{model}}_{{objective}}_d{{d_prime}}.tsv"
+    wildcard_constraints:
+        d_prime=r"\d+",
+    params:
+        hparams=config.get("dimpo", {}).get("hparams", {}),
+        device=config["device"],
+    threads: config.get("dimpo", {}).get("resources", {}).get("threads", 1)
+    resources:
+        runtime=config.get("dimpo", {}).get("resources", {}).get("runtime", 30),
+        mem_mb=lambda wc, attempt: config.get("dimpo", {}).get("resources", {}).get("mem_mb", 4000) * attempt,
+        gpu=gpu_count(),
+    conda:
+        "../envs/torch.yaml"
+    script:
+        "../workflow_scripts/fit_projection.py"
+
+
+rule attention_fidelity:
+    input:
+        capture=f"{DIMPO}/{{model}}/capture_eval.safetensors",
+        projections=f"{DIMPO}/{{model}}/projections/{{objective}}-d{{d_prime}}.safetensors",
+    output:
+        f"{DIMPO}/{{model}}/fidelity/{{objective}}-d{{d_prime}}.csv",
+    log:
+        f"{LOGS}/dimpo/fidelity_{{model}}_{{objective}}_d{{d_prime}}.log",
+    benchmark:
+        f"{BENCH}/dimpo/fidelity_{{model}}_{{objective}}_d{{d_prime}}.tsv"
+    wildcard_constraints:
+        d_prime=r"\d+",
+    threads: 1
+    resources:
+        runtime=30,
+        mem_mb=lambda wc, attempt: 8000 * attempt,
+        gpu=gpu_count(),
+    conda:
+        "../envs/torch.yaml"
+    script:
+        "../workflow_scripts/attention_fidelity.py"

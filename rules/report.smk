@@ -1,0 +1,157 @@
+# Reporting: tidy CSV summaries, then LaTeX tables and figures from them alone.
+
+
+rule summarize_perplexity:
+    input:
+        expand(
+            f"{EVAL}/{{run}}/perplexity_{{dataset}}.json",
+            run=RUNS,
+            dataset=perplexity_datasets(),
+        ),
+    output:
+        f"{SUMMARY}/dar_perplexity.csv",
+    log:
+        f"{LOGS}/report/summarize_perplexity.log",
+    benchmark:
+        f"{BENCH}/report/summarize_perplexity.tsv"
+    threads: 1
+    resources:
+        runtime=5,
+        mem_mb=1000,
+    conda:
+        "../envs/report.yaml"
+    script:
+        "../workflow_scripts/summarize.py"
+
+
+rule summarize_trajectory:
+    input:
+        expand(f"{MODELS}/{{run}}", run=RUNS),
+    output:
+        f"{SUMMARY}/dar_trajectory.csv",
+    log:
+        f"{LOGS}/report/summarize_trajectory.log",
+    benchmark:
+        f"{BENCH}/report/summarize_trajectory.tsv"
+    threads: 1
+    resources:
+        runtime=5,
+        mem_mb=1000,
+    conda:
+        "../envs/report.yaml"
+    script:
+        "../workflow_scripts/summarize.py"
+
+
+rule summarize_lm_eval:
+    input:
+        expand(f"{EVAL}/{{run}}/lm_eval.json", run=RUNS),
+    output:
+        f"{SUMMARY}/lm_eval.csv",
+    log:
+        f"{LOGS}/report/summarize_lm_eval.log",
+    benchmark:
+        f"{BENCH}/report/summarize_lm_eval.tsv"
+    threads: 1
+    resources:
+        runtime=5,
+        mem_mb=1000,
+    conda:
+        "../envs/report.yaml"
+    script:
+        "../workflow_scripts/summarize.py"
+
+
+rule summarize_fidelity:
+    input:
+        expand(
+            f"{DIMPO}/{{model}}/fidelity/{{objective}}-d{{d_prime}}.csv",
+            model=config.get("dimpo", {}).get("models", {}),
+            objective=config.get("dimpo", {}).get("objectives", []),
+            d_prime=config.get("dimpo", {}).get("d_prime", []),
+        ),
+    output:
+        f"{SUMMARY}/dimpo_fidelity.csv",
+    log:
+        f"{LOGS}/report/summarize_fidelity.log",
+    benchmark:
+        f"{BENCH}/report/summarize_fidelity.tsv"
+    threads: 1
+    resources:
+        runtime=5,
+        mem_mb=1000,
+    conda:
+        "../envs/report.yaml"
+    script:
+        "../workflow_scripts/summarize.py"
+
+
+rule render_dar_report:
+    input:
+        [f for f in summary_files() if "dimpo" not in f],
+    output:
+        report(f"{TABLES}/dar_perplexity.tex", caption="../report/dar_perplexity.rst", category="DAR"),
+        report(f"{FIGURES}/dar_perplexity.png", caption="../report/dar_perplexity.rst", category="DAR"),
+        report(f"{FIGURES}/dar_trajectory.png", caption="../report/dar_trajectory.rst", category="DAR"),
+        [report(f"{TABLES}/lm_eval.tex", caption="../report/lm_eval.rst", category="DAR")]
+        if lm_eval_config().get("tasks")
+        else [],
+    log:
+        f"{LOGS}/report/render_dar.log",
+    benchmark:
+        f"{BENCH}/report/render_dar.tsv"
+    params:
+        group="dar",
+        reference_dir=config["reference_dir"],
+    threads: 1
+    resources:
+        runtime=5,
+        mem_mb=2000,
+    conda:
+        "../envs/report.yaml"
+    script:
+        "../workflow_scripts/render.py"
+
+
+rule render_dimpo_report:
+    input:
+        f"{SUMMARY}/dimpo_fidelity.csv",
+    output:
+        report(f"{TABLES}/dimpo_fidelity.tex", caption="../report/dimpo_fidelity.rst", category="DimPO"),
+        report(f"{FIGURES}/dimpo_fidelity.png", caption="../report/dimpo_fidelity.rst", category="DimPO"),
+    log:
+        f"{LOGS}/report/render_dimpo.log",
+    benchmark:
+        f"{BENCH}/report/render_dimpo.tsv"
+    params:
+        group="dimpo",
+        reference_dir=config["reference_dir"],
+    threads: 1
+    resources:
+        runtime=5,
+        mem_mb=2000,
+    conda:
+        "../envs/report.yaml"
+    script:
+        "../workflow_scripts/render.py"
+
+
+# `snakemake figures`: re-render every table and figure from the summaries that exist, with no
+# training. It declares no input on purpose, so Snakemake never schedules upstream jobs for it.
+rule figures:
+    log:
+        f"{LOGS}/report/figures.log",
+    params:
+        group="all",
+        summary_dir=SUMMARY,
+        tables_dir=TABLES,
+        figures_dir=FIGURES,
+        reference_dir=config["reference_dir"],
+    threads: 1
+    resources:
+        runtime=5,
+        mem_mb=2000,
+    conda:
+        "../envs/report.yaml"
+    script:
+        "../workflow_scripts/render.py"

@@ -1,0 +1,18 @@
+from pathlib import Path
+
+from _workflow import logged
+
+with logged(snakemake):
+    from dimattn import reporting
+
+    group, reference = snakemake.params.group, Path(snakemake.params.reference_dir)
+    if group == "all":  # the `figures` target: whatever summaries exist
+        p = snakemake.params
+        reporting.render_all(Path(p.summary_dir), reference, Path(p.tables_dir), Path(p.figures_dir))
+    else:
+        outputs = [Path(p) for p in snakemake.output]
+        summary_dir = Path(snakemake.input[0]).parent
+        tables = next(p.parent for p in outputs if p.suffix == ".tex")
+        figures = next(p.parent for p in outputs if p.suffix == ".png")
+        render = reporting.render_dar if group == "dar" else reporting.render_dimpo
+        render(summary_dir, reference, tables, figures)
