@@ -204,6 +204,7 @@ def sample_instances(capture_layer, n_instances: int, generator: torch.Generator
 
 def projected_logits(W, query, keys):
     """s_j = (W q).(W k_j) / sqrt(d'), computed as (W^T W q).k_j: O(L d) per query, not O(L d d')."""
+    W = W.to(query.dtype)
     u = (query @ W.T) @ W  # (B, d)
     return torch.einsum("bd,bld->bl", u, keys) / math.sqrt(W.shape[0])
 
@@ -248,7 +249,7 @@ def _flat(x):
 def initial_projection(layer_capture, d_prime: int, init: str, seed: int) -> torch.Tensor:
     if init == "pca":
         return pca_projection(_flat(layer_capture["q"]), _flat(layer_capture["k"]), d_prime)
-    return random_projection(layer_capture["q"].shape[-1], d_prime, seed)
+    return random_projection(layer_capture["q"].shape[-1], d_prime, seed, dtype=layer_capture["q"].dtype)
 
 
 def objective_loss(instances: Instances, objective: str, W, hparams=None, batch_size: int = 512) -> float:

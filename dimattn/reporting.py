@@ -17,7 +17,7 @@ import json
 import math
 import os
 import re
-import tempfile
+import uuid
 from collections.abc import Iterable
 from fractions import Fraction
 from pathlib import Path
@@ -71,7 +71,18 @@ OBJECTIVE_LABELS = {
     "dimpo": "DimPO",
     "kl": "KL",
 }
-OBJECTIVE_COLORS = dict(zip(OBJECTIVE_ORDER, sns.color_palette("colorblind", len(OBJECTIVE_ORDER))))
+_CB = sns.color_palette("colorblind")
+# Fixed per objective, so a colour means the same objective in every panel and figure.
+OBJECTIVE_COLORS = {
+    "random": _CB[4],
+    "pca": _CB[1],
+    "triplet": _CB[5],
+    "cpo": _CB[3],
+    "simpo": _CB[6],
+    "orpo": _CB[9],
+    "dimpo": _CB[0],
+    "kl": _CB[2],
+}
 
 DPI = 150
 TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -85,8 +96,8 @@ def _atomic_write(path: Path, write) -> Path:
     """Call write(tmp_path) on a temporary file beside path, then os.replace it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
+    # Same directory, so os.replace is atomic; opened normally, so the umask sets permissions.
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{path.suffix}"
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -437,18 +448,29 @@ def _dar_table2_note(reference_dir: Path) -> str:
     return Tex(rf"At d\textsubscript{{down}} = d/4 the paper's Table 2 gives Rel.\ {parts}.")
 
 
+def _main_window(ppl: pd.DataFrame):
+    """The window most DAR runs share (the largest on a tie): the sweep's default, set beside Table 1."""
+    windows = ppl.loc[ppl["variant"] == "dar"].drop_duplicates("run")["window"].dropna()
+    if windows.empty:
+        return None
+    counts = windows.value_counts()
+    return max(counts[counts == counts.max()].index)
+
+
 def render_dar_perplexity_table(ppl: pd.DataFrame, reference_dir: Path, path: Path) -> Path:
     paper = _dar_paper_table1(reference_dir)
-    show_window = ppl.loc[ppl["variant"] == "dar", "window"].nunique() > 1
+    main_window = _main_window(ppl)
     groups = []
     for (corpus, split), rows in ppl.groupby(["corpus", "split"], sort=False, dropna=False):
         cells = []
         for _, row in rows.iterrows():
             ratio = _dar_ratio(row)
             ref = paper.get((row["variant"], ratio))
+            if row["variant"] == "dar" and row["window"] != main_window:
+                ref = None  # the paper's Table 1 is at one window; its window sweep is only in words
             cells.append(
                 {
-                    "variant": _variant_label(row["variant"], row["window"], show_window),
+                    "variant": _variant_label(row["variant"]),
                     "window": _int_or_missing(row["window"]),
                     "d_down": _int_or_missing(row["d_model"] if row["variant"] == "vanilla" else row["d_down"]),
                     "ratio": _fmt_fraction(ratio),
@@ -472,15 +494,42 @@ def render_dar_perplexity_table(ppl: pd.DataFrame, reference_dir: Path, path: Pa
         paper_d=paper_any.get("d_model", 512),
         paper_window=next((p["window"] for p in paper.values() if p["window"]), 128),
         table2_note=_dar_table2_note(reference_dir),
+        sweep_note=(
+            f"DAR rows at windows other than w = {main_window} (a sweep like seed 000 Table 3, which the paper "
+            "reports only in words) have no paper number."
+            if ppl.loc[ppl["variant"] == "dar", "window"].nunique() > 1
+            else ""
+        ),
     )
 
 
-def _log2_fraction_axis(ax, ratios: Iterable[Fraction], label: str) -> None:
+def _plain_log_y(ax) -> None:
+    """Log y with plain numbers (0.003, not 3x10^-3); a few minor ticks labelled on short spans."""
+    ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    decades = math.log10(high / low) if low > 0 else 3
+    keep = {2, 3, 5} if decades < 1.2 else {3} if decades < 2.2 else set()
+
+    def minor(y, _):
+        mantissa = round(y / 10 ** math.floor(math.log10(y) + 1e-9), 6)
+        return f"{y:g}" if mantissa in keep else ""
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
+
+
+def _log2_fraction_axis(ax, ratios: Iterable[Fraction], label: str, dim: int | None = None) -> None:
+    """Log2 x axis ticked at the ratios, as fractions; with dim, each tick also gives ratio * dim."""
     ticks = sorted({float(r) for r in ratios})
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_minor_locator(NullLocator())
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _fmt_fraction(Fraction(x).limit_denominator(1024))))
+
+    def tick(x, _):
+        frac = Fraction(x).limit_denominator(1024)
+        return _fmt_fraction(frac) if dim is None else f"{_fmt_fraction(frac)}\n({_fmt_fraction(frac * dim)})"
+
+    ax.xaxis.set_major_formatter(FuncFormatter(tick))
     if ticks:
         ax.set_xlim(ticks[0] / 1.35, ticks[-1] * 1.35)
     ax.set_xlabel(label)
@@ -567,7 +616,7 @@ def render_dar_trajectory_figure(traj: pd.DataFrame, path: Path) -> Path:
     d_models = sorted(traj["d_model"].unique())
     runs = traj[traj["variant"] != "vanilla"].drop_duplicates("run")
     with sns.axes_style("whitegrid"), sns.plotting_context("notebook"):
-        fig = Figure(figsize=(7.5 * len(d_models) + 3.0, 4.8), layout="constrained")
+        fig = Figure(figsize=(7.0 * len(d_models) + 3.2, 4.8), layout="constrained")
         FigureCanvasAgg(fig)
         axes = fig.subplots(1, len(d_models), squeeze=False, sharey=True)[0]
         for ax, d_model in zip(axes, d_models):
@@ -584,7 +633,12 @@ def render_dar_trajectory_figure(traj: pd.DataFrame, path: Path) -> Path:
             ax.xaxis.set_major_formatter(FuncFormatter(_tokens_formatter))
             ax.set_xlabel("training tokens")
             ax.set_title(f"d = {d_model}")
-            ax.legend(fontsize=9, loc="best")
+        # Outside the axes: early in training the curves fill every corner.
+        handles = {}
+        for ax in axes:
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                handles.setdefault(label, handle)
+        fig.legend(handles.values(), handles.keys(), loc="outside right center", frameon=False, fontsize=10)
         axes[0].set_ylabel("validation perplexity\nrelative to Vanilla (%)")
         fig.suptitle(
             "Validation perplexity relative to Vanilla during training (analogue of seed 000 Figure 3)\n"
@@ -794,52 +848,69 @@ def render_dimpo_fidelity_table(fid: pd.DataFrame, reference_dir: Path, path: Pa
 
 
 def render_dimpo_fidelity_figure(fid: pd.DataFrame, reference_dir: Path, path: Path) -> Path:
+    """KL and MSE vs d'/d: a row per model of ours, then the paper's row over the same ratios.
+
+    The paper's 8B-model values sit an order of magnitude away from a tiny model's, so they get
+    their own row (own y range) rather than crowding our curves; colours and x match across rows.
+    """
     means = _fidelity_means(fid)
     paper = _dimpo_paper(reference_dir)
     paper_model = paper["model"].iloc[0] if len(paper) else "Llama-3.1-8B-Instruct"
     models = list(dict.fromkeys(zip(means["model"], means["head_dim"])))
+    ratios = set(means["ratio"])
+    objectives = sorted(means["objective"].unique(), key=_objective_rank)
+    paper = paper[paper["objective"].isin(objectives) & paper["ratio"].isin(ratios)]
+    metrics = (("kl", "KL divergence of attention weights"), ("mse", "MSE of attention outputs"))
+    ours_styles = ["-", "-.", (0, (5, 1, 1, 1))]
+    paper_styles = ["--", ":", (0, (3, 1, 1, 1, 1, 1))]
+
     with sns.axes_style("whitegrid"), sns.plotting_context("notebook"):
-        fig = Figure(figsize=(12.5, 4.6 * len(models)), layout="constrained")
+        fig = Figure(figsize=(13.5, 4.0 * (len(models) + 1) + 0.6), layout="constrained")
         FigureCanvasAgg(fig)
-        axes = fig.subplots(len(models), 2, squeeze=False)
+        # Not sharex: each row labels its ticks with its own d'; the limits match anyway.
+        axes = fig.subplots(len(models) + 1, 2, squeeze=False)
         handles = {}
+
+        def draw(ax, rows, value_col, styles, source, dim):
+            for objective in objectives:
+                color = OBJECTIVE_COLORS.get(objective, "0.3")
+                mine = rows[rows["objective"] == objective]
+                settings = list(dict.fromkeys(mine["setting"]))
+                for i, setting in enumerate(settings):
+                    sel = mine[mine["setting"].map(lambda x: x == setting)].sort_values("ratio")
+                    label = _plain_label(objective, setting)
+                    if source == "paper" and len(settings) == 1:
+                        label = _plain_label(objective)
+                    (line,) = ax.plot(
+                        sel["ratio"].astype(float), sel[value_col], color=color, lw=2.2 if source == "ours" else 1.8,
+                        ls=styles[i % len(styles)], marker="o", ms=6, mfc=color if source == "ours" else "white",
+                        label=label,
+                    )
+                    handles.setdefault(label, line)
+            _plain_log_y(ax)
+            _log2_fraction_axis(ax, ratios, f"$d'/d$  (in brackets: $d'$ of d={dim})", dim=dim)
+
         for row_axes, (model, head_dim) in zip(axes, models):
             ours = means[(means["model"] == model) & (means["head_dim"] == head_dim)]
-            ours_ratios = set(ours["ratio"])
-            for ax, metric, title in zip(
-                row_axes, ("kl", "mse"), ("KL divergence of attention weights", "MSE of attention outputs")
-            ):
-                for objective in sorted(ours["objective"].unique(), key=_objective_rank):
-                    color = OBJECTIVE_COLORS.get(objective, "0.3")
-                    mine = ours[ours["objective"] == objective]
-                    settings = list(dict.fromkeys(mine["setting"]))
-                    dashes = ["-", "-.", (0, (5, 1, 1, 1))]
-                    for i, setting in enumerate(settings):
-                        s = mine[mine["setting"] == setting].sort_values("ratio")
-                        label = f"{_plain_label(objective, setting)}, ours"
-                        (line,) = ax.plot(s["ratio"].astype(float), s[metric], color=color, lw=2.2, marker="o",
-                                          ls=dashes[i % len(dashes)], label=label)
-                        handles.setdefault(label, line)
-                    # The paper's curve for the same objective, only over the ratios we ran.
-                    theirs = paper[(paper["objective"] == objective) & paper["ratio"].isin(ours_ratios)]
-                    paper_dashes = ["--", ":"]
-                    for i, setting in enumerate(dict.fromkeys(theirs["setting"])):
-                        p = theirs[theirs["setting"].map(lambda x: x == setting)].sort_values("ratio")
-                        label = f"{_plain_label(objective, setting)}, paper"
-                        (line,) = ax.plot(p["ratio"].astype(float), p[f"{metric}_value"], color=color, alpha=0.55,
-                                          lw=1.6, ls=paper_dashes[i % 2], marker="o", mfc="white", ms=6, label=label)
-                        handles.setdefault(label, line)
-                ax.set_yscale("log")
-                _log2_fraction_axis(ax, ours_ratios, f"$d'/d$ (log$_2$ scale); ours d={int(head_dim)}, paper d={PAPER_DIMPO_HEAD_DIM}")
-                ax.set_ylabel(f"{metric.upper()} (mean over layers, log scale)")
-                ax.set_title(f"{title}\n{model}" if len(models) > 1 else title)
-        fig.legend(handles=list(handles.values()), loc="outside right center", frameon=False, fontsize=9)
-        model_names = ", ".join(f"{m} (d={int(h)})" for m, h in models)
+            for ax, (metric, title) in zip(row_axes, metrics):
+                draw(ax, ours, metric, ours_styles, "ours", int(head_dim))
+                ax.set_title(f"{title}\nours: {model}, d={int(head_dim)}")
+                ax.set_ylabel(f"{metric.upper()}, mean over layers (log)")
+        for ax, (metric, title) in zip(axes[-1], metrics):
+            draw(ax, paper, f"{metric}_value", paper_styles, "paper", PAPER_DIMPO_HEAD_DIM)
+            ax.set_title(f"{title}\npaper: {paper_model}, d={PAPER_DIMPO_HEAD_DIM}")
+            ax.set_ylabel(f"{metric.upper()}, mean over layers (log)")
+        legend = list(handles.values()) + [
+            Line2D([], [], color="0.3", lw=2.2, marker="o", label="ours: solid, filled"),
+            Line2D([], [], color="0.3", lw=1.8, ls="--", marker="o", mfc="white", label="paper: dashed, hollow"),
+        ]
+        fig.legend(handles=legend, labels=[h.get_label() for h in legend], loc="outside right center",
+                   frameon=False, fontsize=10)
         fig.suptitle(
-            f"Attention fidelity vs. projection width $d'/d$, lower is better\n"
-            f"ours: {model_names}, solid; paper: seed 003 Table 1, {paper_model} (d={PAPER_DIMPO_HEAD_DIM}), dashed. "
-            "Models differ greatly in scale: compare trends and ordering, not levels",
-            fontsize=11,
+            "Attention fidelity of the query/key projection vs. width $d'/d$ (lower is better), ours beside seed 003 "
+            "Table 1\nthe paper's model has ~8B parameters, ours is tiny: compare ordering and trend across rows, "
+            "not levels",
+            fontsize=12,
         )
         return _save_figure(fig, path)
 

@@ -1,10 +1,9 @@
-"""Helpers shared by every rule file: config validation, the sweep expansion, paths."""
+"""Helpers shared by all the .smk files: config validation, the sweep expansion, paths."""
 
 import itertools
 
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
-
 
 validate(config, schema="../schemas/config.schema.yaml")
 
@@ -45,7 +44,9 @@ def expand_sweeps():
         key = f"pretraining.sweeps[{i}]"
         scale, attention = sweep["scale"], sweep["attention"]
         if scale not in scales:
-            raise config_error(f"{key}.scale", f"unknown scale {scale!r}; known: {sorted(scales)}")
+            raise config_error(
+                f"{key}.scale", f"unknown scale {scale!r}; known: {sorted(scales)}"
+            )
         d_model = scales[scale]["architecture"]["hidden_size"]
         heads = scales[scale]["architecture"]["num_attention_heads"]
         if d_model % heads:
@@ -56,9 +57,13 @@ def expand_sweeps():
         needs_window, needs_d_down = attention == "dar", attention in ("dar", "uniform")
         for field, needed in (("window", needs_window), ("d_down", needs_d_down)):
             if needed and field not in sweep:
-                raise config_error(f"{key}.{field}", f"missing: attention={attention!r} needs {field}")
+                raise config_error(
+                    f"{key}.{field}", f"missing: attention={attention!r} needs {field}"
+                )
             if not needed and field in sweep:
-                raise config_error(f"{key}.{field}", f"attention={attention!r} takes no {field}")
+                raise config_error(
+                    f"{key}.{field}", f"attention={attention!r} takes no {field}"
+                )
         windows = _as_list(sweep.get("window", [None]))
         d_downs = _as_list(sweep.get("d_down", [None]))
         for window, d_down in itertools.product(windows, d_downs):
@@ -90,26 +95,39 @@ def check_references():
 
     def need_dataset(key, name):
         if name not in datasets:
-            raise config_error(key, f"unknown dataset {name!r}; known: {sorted(datasets)}")
+            raise config_error(
+                key, f"unknown dataset {name!r}; known: {sorted(datasets)}"
+            )
 
     need_dataset("pretraining.dataset", config["pretraining"]["dataset"])
     tok = config["tokenizer"]
     if bool(tok.get("train_on")) == bool(tok.get("hub")):
-        raise config_error("tokenizer", "set exactly one of tokenizer.train_on and tokenizer.hub")
+        raise config_error(
+            "tokenizer", "set exactly one of tokenizer.train_on and tokenizer.hub"
+        )
     if tok.get("train_on"):
         need_dataset("tokenizer.train_on", tok["train_on"])
     for name in perplexity_datasets():
         need_dataset("evaluation.perplexity.datasets", name)
     if lm_eval_config().get("write_tasks_from"):
-        need_dataset("evaluation.lm_eval.write_tasks_from", lm_eval_config()["write_tasks_from"])
+        need_dataset(
+            "evaluation.lm_eval.write_tasks_from", lm_eval_config()["write_tasks_from"]
+        )
     if dimpo_enabled():
         need_dataset("dimpo.dataset", config["dimpo"]["dataset"])
-        for model, spec in config["dimpo"]["models"].items():
+        for i, spec in enumerate(config["dimpo"]["models"]):
+            model = f"[{i}]"
             if "run" in spec:
                 if spec["run"] not in RUNS:
-                    raise config_error(f"dimpo.models.{model}.run", f"unknown run {spec['run']!r}; known: {sorted(RUNS)}")
+                    raise config_error(
+                        f"dimpo.models.{model}.run",
+                        f"unknown run {spec['run']!r}; known: {sorted(RUNS)}",
+                    )
                 if RUNS[spec["run"]]["model"]["attention"] != "vanilla":
-                    raise config_error(f"dimpo.models.{model}.run", "DimPO projects a frozen vanilla model")
+                    raise config_error(
+                        f"dimpo.models.{model}.run",
+                        "DimPO projects a frozen vanilla model",
+                    )
 
 
 def perplexity_datasets():
@@ -166,13 +184,17 @@ def gpu_count():
     return 1 if config["device"] == "cuda" else 0
 
 
+def dimpo_models():
+    return {m["name"]: m for m in config.get("dimpo", {}).get("models", [])}
+
+
 def dimpo_model_dir(wildcards):
-    spec = config["dimpo"]["models"][wildcards.model]
+    spec = dimpo_models()[wildcards.model]
     return f"{MODELS}/{spec['run']}" if "run" in spec else []
 
 
 def dimpo_model_source(wildcards):
-    spec = config["dimpo"]["models"][wildcards.model]
+    spec = dimpo_models()[wildcards.model]
     return f"{MODELS}/{spec['run']}" if "run" in spec else spec["hub"]
 
 
@@ -189,14 +211,22 @@ def summary_files():
 
 
 def dar_report_files():
-    files = [f"{TABLES}/dar_perplexity.tex", f"{FIGURES}/dar_perplexity.png", f"{FIGURES}/dar_trajectory.png"]
+    files = [
+        f"{TABLES}/dar_perplexity.tex",
+        f"{FIGURES}/dar_perplexity.png",
+        f"{FIGURES}/dar_trajectory.png",
+    ]
     if lm_eval_config().get("tasks"):
         files.append(f"{TABLES}/lm_eval.tex")
     return files
 
 
 def dimpo_report_files():
-    return [f"{TABLES}/dimpo_fidelity.tex", f"{FIGURES}/dimpo_fidelity.png"] if dimpo_enabled() else []
+    return (
+        [f"{TABLES}/dimpo_fidelity.tex", f"{FIGURES}/dimpo_fidelity.png"]
+        if dimpo_enabled()
+        else []
+    )
 
 
 def all_outputs():

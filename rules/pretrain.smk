@@ -12,16 +12,16 @@ rule pretrain:
         f"{LOGS}/pretrain/{{run}}.log",
     benchmark:
         f"{BENCH}/pretrain/{{run}}.tsv"
-    params:
-        spec=run_spec,
-        checkpoint_dir=lambda wc: f"results/checkpoints/{wc.run}",
-        device=config["device"],
+    conda:
+        "../envs/torch.yaml"
     threads: lambda wc: RUNS[wc.run]["resources"].get("threads", 1)
     resources:
         runtime=run_resources("runtime", 30),
         mem_mb=run_resources("mem_mb", 4000),
         gpu=gpu_count(),
-    conda:
-        "../envs/torch.yaml"
+    params:
+        spec=run_spec,
+        checkpoint_dir=lambda wc: f"results/checkpoints/{wc.run}",
+        device=config["device"],
     script:
         "../workflow_scripts/pretrain.py"

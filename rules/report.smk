@@ -14,12 +14,12 @@ rule summarize_perplexity:
         f"{LOGS}/report/summarize_perplexity.log",
     benchmark:
         f"{BENCH}/report/summarize_perplexity.tsv"
+    conda:
+        "../envs/report.yaml"
     threads: 1
     resources:
         runtime=5,
         mem_mb=1000,
-    conda:
-        "../envs/report.yaml"
     script:
         "../workflow_scripts/summarize.py"
 
@@ -33,12 +33,12 @@ rule summarize_trajectory:
         f"{LOGS}/report/summarize_trajectory.log",
     benchmark:
         f"{BENCH}/report/summarize_trajectory.tsv"
+    conda:
+        "../envs/report.yaml"
     threads: 1
     resources:
         runtime=5,
         mem_mb=1000,
-    conda:
-        "../envs/report.yaml"
     script:
         "../workflow_scripts/summarize.py"
 
@@ -52,12 +52,12 @@ rule summarize_lm_eval:
         f"{LOGS}/report/summarize_lm_eval.log",
     benchmark:
         f"{BENCH}/report/summarize_lm_eval.tsv"
+    conda:
+        "../envs/report.yaml"
     threads: 1
     resources:
         runtime=5,
         mem_mb=1000,
-    conda:
-        "../envs/report.yaml"
     script:
         "../workflow_scripts/summarize.py"
 
@@ -66,7 +66,7 @@ rule summarize_fidelity:
     input:
         expand(
             f"{DIMPO}/{{model}}/fidelity/{{objective}}-d{{d_prime}}.csv",
-            model=config.get("dimpo", {}).get("models", {}),
+            model=dimpo_models(),
             objective=config.get("dimpo", {}).get("objectives", []),
             d_prime=config.get("dimpo", {}).get("d_prime", []),
         ),
@@ -76,12 +76,12 @@ rule summarize_fidelity:
         f"{LOGS}/report/summarize_fidelity.log",
     benchmark:
         f"{BENCH}/report/summarize_fidelity.tsv"
+    conda:
+        "../envs/report.yaml"
     threads: 1
     resources:
         runtime=5,
         mem_mb=1000,
-    conda:
-        "../envs/report.yaml"
     script:
         "../workflow_scripts/summarize.py"
 
@@ -90,25 +90,43 @@ rule render_dar_report:
     input:
         [f for f in summary_files() if "dimpo" not in f],
     output:
-        report(f"{TABLES}/dar_perplexity.tex", caption="../report/dar_perplexity.rst", category="DAR"),
-        report(f"{FIGURES}/dar_perplexity.png", caption="../report/dar_perplexity.rst", category="DAR"),
-        report(f"{FIGURES}/dar_trajectory.png", caption="../report/dar_trajectory.rst", category="DAR"),
-        [report(f"{TABLES}/lm_eval.tex", caption="../report/lm_eval.rst", category="DAR")]
+        report(
+            f"{TABLES}/dar_perplexity.tex",
+            caption="../report/dar_perplexity.rst",
+            category="DAR",
+        ),
+        report(
+            f"{FIGURES}/dar_perplexity.png",
+            caption="../report/dar_perplexity.rst",
+            category="DAR",
+        ),
+        report(
+            f"{FIGURES}/dar_trajectory.png",
+            caption="../report/dar_trajectory.rst",
+            category="DAR",
+        ),
+        [
+            report(
+                f"{TABLES}/lm_eval.tex",
+                caption="../report/lm_eval.rst",
+                category="DAR",
+            )
+        ]
         if lm_eval_config().get("tasks")
         else [],
     log:
         f"{LOGS}/report/render_dar.log",
     benchmark:
         f"{BENCH}/report/render_dar.tsv"
-    params:
-        group="dar",
-        reference_dir=config["reference_dir"],
+    conda:
+        "../envs/report.yaml"
     threads: 1
     resources:
         runtime=5,
         mem_mb=2000,
-    conda:
-        "../envs/report.yaml"
+    params:
+        group="dar",
+        reference_dir=config["reference_dir"],
     script:
         "../workflow_scripts/render.py"
 
@@ -117,21 +135,29 @@ rule render_dimpo_report:
     input:
         f"{SUMMARY}/dimpo_fidelity.csv",
     output:
-        report(f"{TABLES}/dimpo_fidelity.tex", caption="../report/dimpo_fidelity.rst", category="DimPO"),
-        report(f"{FIGURES}/dimpo_fidelity.png", caption="../report/dimpo_fidelity.rst", category="DimPO"),
+        report(
+            f"{TABLES}/dimpo_fidelity.tex",
+            caption="../report/dimpo_fidelity.rst",
+            category="DimPO",
+        ),
+        report(
+            f"{FIGURES}/dimpo_fidelity.png",
+            caption="../report/dimpo_fidelity.rst",
+            category="DimPO",
+        ),
     log:
         f"{LOGS}/report/render_dimpo.log",
     benchmark:
         f"{BENCH}/report/render_dimpo.tsv"
-    params:
-        group="dimpo",
-        reference_dir=config["reference_dir"],
+    conda:
+        "../envs/report.yaml"
     threads: 1
     resources:
         runtime=5,
         mem_mb=2000,
-    conda:
-        "../envs/report.yaml"
+    params:
+        group="dimpo",
+        reference_dir=config["reference_dir"],
     script:
         "../workflow_scripts/render.py"
 
@@ -141,17 +167,17 @@ rule render_dimpo_report:
 rule figures:
     log:
         f"{LOGS}/report/figures.log",
+    conda:
+        "../envs/report.yaml"
+    threads: 1
+    resources:
+        runtime=5,
+        mem_mb=2000,
     params:
         group="all",
         summary_dir=SUMMARY,
         tables_dir=TABLES,
         figures_dir=FIGURES,
         reference_dir=config["reference_dir"],
-    threads: 1
-    resources:
-        runtime=5,
-        mem_mb=2000,
-    conda:
-        "../envs/report.yaml"
     script:
         "../workflow_scripts/render.py"

