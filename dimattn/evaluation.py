@@ -180,7 +180,13 @@ def run_lm_eval(model_dir: Path, tasks: list[dict], tasks_dir: Path | None, batc
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(tasks_dir) if tasks_dir else None)
+    # Indexing lm-eval's thousands of built-in task files takes most of a CPU run: skip it
+    # when every task asked for is one the workflow wrote.
+    own = {p.stem for p in Path(tasks_dir).glob("*.yaml")} if tasks_dir else set()
+    manager = TaskManager(
+        include_path=str(tasks_dir) if tasks_dir else None,
+        include_defaults=any(t["name"] not in own for t in tasks),
+    )
     results, configs = {}, {}
     for shots in sorted({t.get("num_fewshot", 0) for t in tasks}):
         names = [t["name"] for t in tasks if t.get("num_fewshot", 0) == shots]

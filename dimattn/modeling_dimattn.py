@@ -119,9 +119,8 @@ class CausalSelfAttention(nn.Module):
         if implementation not in NATIVE_IMPLEMENTATIONS:
             if self.variant.far:
                 raise ValueError(f"attention implementation {implementation!r} supports only vanilla models")
-            out, _ = ALL_ATTENTION_FUNCTIONS[implementation](
-                self, q, *near_kv, None, scaling=self.scaling, dropout=0.0
-            )
+            attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None)
+            out, _ = attention_fn(self, q, *near_kv, None, scaling=self.scaling, dropout=0.0)
         else:
             out = self.variant(
                 q, near_kv, far_kv, window=self.config.window, key_padding_mask=key_padding_mask

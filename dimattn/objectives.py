@@ -24,6 +24,12 @@ Definitions the paper leaves open (seed 003, Eq. L_list):
   loss is the mean over instances (an instance without any pair contributes 0).
 - ``max_preferred = m`` keeps only pairs whose preferred key i is among the top-m keys by psi
   (all its dispreferred partners j stay): O(N m L) instead of O(N L^2), needed at L = 4096.
+  The pairs dropped have Delta_ij <= psi_i <= the m-th largest psi, so they weigh little.
+
+L_list reads s only through differences s_i - s_j and keeps falling as they grow, so nothing
+in it stops pi_theta from becoming sharper than psi: trained alone it inflates ||W|| and the
+KL to psi rises with training. The head term (k > 0, lam > 0) pins the temperature, since
+-sum_top-k psi_i log p_i grows again once p puts all mass on the very top keys.
 
 Registry: ``OBJECTIVES`` maps a name to an :class:`Objective`. A gradient objective carries a
 ``loss(s, psi, mask, **hparams)`` and the names of the hyperparameters it reads; a closed-form
@@ -38,15 +44,14 @@ applied to the raw vectors (q' = W q, no mean subtracted): this W is the best ra
 for reconstructing the vectors whose dot products the attention actually uses.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 # Pair tensors (instances x preferred x keys) are built at most this many elements at a time.
-PAIR_CHUNK_ELEMENTS = 1 << 24
+PAIR_CHUNK_ELEMENTS = 1 << 22
 
 
 def _masked_log_softmax(s, mask):
@@ -61,41 +66,60 @@ def kl_loss(s, psi, mask):
     return torch.where(live, psi * (log_psi - log_pi), torch.zeros_like(psi)).sum(-1).mean()
 
 
-def _listwise_terms(s_i, psi_i, s, psi, mask, gamma):
-    """Numerator and Delta sum per instance for preferred keys i (N, m) against keys j (N, L)."""
-    delta = (psi_i[:, :, None] - psi[:, None, :]).clamp(min=0) * mask[:, None, :]  # (N, m, L)
-    margin = s_i[:, :, None] - s[:, None, :] - gamma
-    # Clamped where the term is below 1e-17: avoids float32 denormals (10x slower on CPU).
-    return (delta * F.softplus((-margin).clamp(min=-40.0))).sum((1, 2)), delta.sum((1, 2))
+class _ListwiseFunction(torch.autograd.Function):
+    """Per-instance L_list (N,) of preferred keys s_i (N, m) against all keys s (N, L).
+
+    The (instances x m x L) pair tensors are built once, a chunk of instances at a time, and the
+    forward pass also forms the gradient, w_ij = Delta_ij sigmoid(gamma - s_i + s_j) / sum Delta:
+    d/ds_i = -sum_j w_ij, d/ds_j = +sum_i w_ij. Backward then needs only (N, m) and (N, L).
+    """
+
+    @staticmethod
+    def forward(ctx, s_i, s, psi_i, psi, mask, gamma):
+        need_grad = any(ctx.needs_input_grad[:2])
+        n, m, length = s.shape[0], s_i.shape[1], s.shape[1]
+        # As the dispreferred key j, padding gets psi = 2 > any psi_i, so Delta_ij = 0 there.
+        psi_j = psi.masked_fill(~mask, 2.0)
+        s_i = s_i - gamma
+        loss = s.new_zeros(n)
+        grad_i, grad_j = (torch.zeros_like(s_i), torch.zeros_like(s)) if need_grad else (None, None)
+        per_chunk = max(1, PAIR_CHUNK_ELEMENTS // max(1, m * length))
+        for c in torch.arange(n, device=s.device).split(per_chunk):
+            delta = (psi_i[c, :, None] - psi_j[c, None, :]).clamp_(min=0)  # (c, m, L): Delta_ij [psi_i > psi_j]
+            den = delta.sum((1, 2))
+            inv = torch.where(den > 0, 1 / den.clamp(min=torch.finfo(den.dtype).tiny), 0.0)
+            x = s[c, None, :] - s_i[c, :, None]  # -(s_i - s_j - gamma)
+            # Below -40 a term is < 1e-17; clamping avoids float32 denormals (10x slower on CPU).
+            x.clamp_(min=-40.0)
+            loss[c] = F.softplus(x).mul_(delta).sum((1, 2)) * inv
+            if need_grad:
+                w = x.sigmoid_().mul_(delta)
+                grad_i[c], grad_j[c] = -w.sum(2) * inv[:, None], w.sum(1) * inv[:, None]
+        ctx.save_for_backward(grad_i, grad_j)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_i, grad_j = ctx.saved_tensors
+        return grad_i * grad_loss[:, None], grad_j * grad_loss[:, None], None, None, None, None
 
 
 def listwise_loss(s, psi, mask, gamma: float = 0.0, max_preferred: int | None = None):
     """L_list of seed 003: sum_{psi_i > psi_j} Delta_ij log(1 + exp(-(s_i - s_j - gamma))).
 
     Per instance normalised by sum Delta_ij, then averaged over instances; see the module
-    docstring for the definitions of s_i, Delta_ij, gamma and ``max_preferred``.
+    docstring for the definitions of s_i, Delta_ij, gamma and ``max_preferred``. Memory is
+    bounded by PAIR_CHUNK_ELEMENTS pair terms at a time.
     """
     mask = mask.bool()
-    psi = psi * mask  # padding must carry psi = 0 so that it is never preferred
+    psi = (psi * mask).detach()  # padding must carry psi = 0 so that it is never preferred
     s = torch.where(mask, s, torch.zeros_like(s))  # finite everywhere: padded s may be -inf
-    n, length = s.shape
-    if max_preferred is None or max_preferred >= length:
+    if max_preferred is None or max_preferred >= s.shape[1]:
         s_i, psi_i = s, psi
     else:
         top = psi.topk(max_preferred, dim=-1).indices  # (N, m); padded picks have psi 0
         s_i, psi_i = s.gather(-1, top), psi.gather(-1, top)
-    per_chunk = max(1, PAIR_CHUNK_ELEMENTS // max(1, s_i.shape[1] * length))
-    losses = []
-    for start in range(0, n, per_chunk):
-        part = slice(start, start + per_chunk)
-        args = (s_i[part], psi_i[part], s[part], psi[part], mask[part], gamma)
-        if torch.is_grad_enabled() and s.requires_grad:
-            # Recompute the (chunk, m, L) pair tensors in backward instead of keeping them.
-            num, den = checkpoint(_listwise_terms, *args, use_reentrant=False)
-        else:
-            num, den = _listwise_terms(*args)
-        losses.append(torch.where(den > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny), 0.0))
-    return torch.cat(losses).mean()
+    return _ListwiseFunction.apply(s_i, s, psi_i, psi, mask, float(gamma)).mean()
 
 
 def head_loss(s, psi, mask, k: int = 0):
@@ -140,7 +164,7 @@ def pca_projection(queries: torch.Tensor, keys: torch.Tensor, d_prime: int) -> t
     d = queries.shape[-1]
     if not 0 < d_prime <= d:
         raise ValueError(f"d_prime={d_prime} must satisfy 0 < d_prime <= d={d}")
-    moment = torch.zeros(d, d, dtype=torch.float64)
+    moment = torch.zeros(d, d, dtype=torch.float64, device=queries.device)
     for x in (queries, keys):
         x = x.reshape(-1, d)
         for part in x.split(1 << 18):  # bounded float64 copies at paper scale
@@ -174,7 +198,7 @@ class Objective:
         if self.loss is None:
             raise TypeError(f"objective {self.name!r} is closed-form and has no loss")
         hparams = hparams or {}
-        get = hparams.get if isinstance(hparams, dict) else lambda n: getattr(hparams, n)
+        get = hparams.get if isinstance(hparams, Mapping) else lambda n: getattr(hparams, n)
         return self.loss(s, psi, mask, **{n: get(n) for n in self.hparams})
 
 

@@ -14,15 +14,19 @@ Read top to bottom:
    ``init="random"``.
 5. ``attention_fidelity``: the paper's proxy metrics (section 4.1) over *all* query positions,
    KL(psi || pi_theta) and the MSE between psi V and pi_theta V.
+6. ``capture_to_file``, ``fit_to_file``, ``fidelity_to_file``: the same steps file to file, one
+   per workflow rule (rules/dimpo.smk).
 
 Shapes: a layer capture holds q (N, H, T, d), k and v (N, H_kv, T, d); query head h reads
 key/value head h // (H / H_kv), as transformers' ``repeat_kv`` lays them out.
 """
 
+import csv
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, safe_open, save_file
@@ -97,7 +101,15 @@ def capture_qkv(model, input_ids: torch.LongTensor, *, layers=None, batch_size: 
         _capture_store, _capture_layers = None, None
         _switch_attention(model, previous)
         model.train(was_training)
-    return {layer: {name: torch.cat(parts) for name, parts in store[layer].items()} for layer in sorted(store)}
+    missing = sorted(set(layers) - set(store)) if layers is not None else []
+    if not store or missing:
+        raise RuntimeError(
+            f"no capture for layer(s) {missing or 'any'} of {type(model).__name__}: a layer index out of range, "
+            f"or attention that does not call ALL_ATTENTION_FUNCTIONS[config._attn_implementation]"
+        )
+    return {
+        layer: {name: torch.cat(parts) for name, parts in store[layer].items()} for layer in sorted(store)
+    }
 
 
 def _metadata(meta: Mapping) -> dict[str, str]:
@@ -117,13 +129,21 @@ def save_capture(capture, path, meta: Mapping | None = None) -> None:
     """
     first = capture[min(capture)]
     n, heads, seq_len, head_dim = first["q"].shape
-    derived = dict(head_dim=head_dim, heads=heads, kv_heads=first["k"].shape[1], seq_len=seq_len,
-                   n_sequences=n, layers=sorted(capture))
+    derived = dict(
+        head_dim=head_dim,
+        heads=heads,
+        kv_heads=first["k"].shape[1],
+        seq_len=seq_len,
+        n_sequences=n,
+        layers=sorted(capture),
+    )
     meta = dict(meta or {})
     for key, value in derived.items():
         if key in meta and meta[key] != value:
             raise ValueError(f"meta[{key!r}]={meta[key]!r} disagrees with the capture ({value!r})")
-    tensors = {f"layer{layer}.{name}": t.contiguous() for layer, qkv in capture.items() for name, t in qkv.items()}
+    tensors = {
+        f"layer{layer}.{name}": t.contiguous() for layer, qkv in capture.items() for name, t in qkv.items()
+    }
     save_file(tensors, str(path), metadata=_metadata({**meta, **derived}))
 
 
@@ -139,8 +159,15 @@ def load_capture(path):
 def save_projections(W_by_layer, path, meta: Mapping | None = None) -> None:
     """Safetensors file with tensors ``layer{l}.W`` (d', d) and JSON-string metadata."""
     first = W_by_layer[min(W_by_layer)]
-    meta = {**(meta or {}), "d_prime": first.shape[0], "head_dim": first.shape[1], "layers": sorted(W_by_layer)}
-    save_file({f"layer{l}.W": W.contiguous() for l, W in W_by_layer.items()}, str(path), metadata=_metadata(meta))
+    meta = {
+        **(meta or {}),
+        "d_prime": first.shape[0],
+        "head_dim": first.shape[1],
+        "layers": sorted(W_by_layer),
+    }
+    save_file(
+        {f"layer{l}.W": W.contiguous() for l, W in W_by_layer.items()}, str(path), metadata=_metadata(meta)
+    )
 
 
 def load_projections(path):
@@ -174,11 +201,13 @@ class Instances:
 
     def batch(self, index=None):
         """dict of query (B, d), keys (B, L, d), mask (B, L) and psi (B, L), L = max pos + 1."""
+        device = self.keys_source.device
         index = torch.arange(len(self)) if index is None else torch.as_tensor(index)
+        index = index.to(device)
         pos = self.pos[index]
         length = int(pos.max()) + 1
         keys = self.keys_source[self.seq[index], self.head[index] // self.groups, :length]  # (B, L, d)
-        mask = torch.arange(length)[None, :] <= pos[:, None]
+        mask = torch.arange(length, device=device)[None, :] <= pos[:, None]
         query = self.query[index]
         logits = torch.einsum("bd,bld->bl", query, keys) / math.sqrt(query.shape[-1])
         return {"query": query, "keys": keys, "mask": mask, "psi": _masked_softmax(logits, mask)}
@@ -196,7 +225,7 @@ def sample_instances(capture_layer, n_instances: int, generator: torch.Generator
     if positions <= 0:
         raise ValueError(f"min_position={min_position} leaves no query position in T={seq_len}")
     total = n * heads * positions
-    flat = torch.randperm(total, generator=generator)[: min(n_instances, total)]
+    flat = torch.randperm(total, generator=generator)[: min(n_instances, total)].to(q.device)
     seq, rest = flat // (heads * positions), flat % (heads * positions)
     head, pos = rest // positions, rest % positions + min_position
     return Instances(seq, head, pos, q[seq, head, pos], k, heads // k.shape[1])
@@ -235,7 +264,9 @@ class FitHparams:
         hparams = dict(hparams or {})
         unknown = set(hparams) - {f.name for f in fields(cls)}
         if unknown:
-            raise ValueError(f"unknown fit hyperparameters {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
+            raise ValueError(
+                f"unknown fit hyperparameters {sorted(unknown)}; known: {[f.name for f in fields(cls)]}"
+            )
         out = cls(**hparams)
         if out.init not in ("pca", "random"):
             raise ValueError(f"init={out.init!r} must be 'pca' or 'random'")
@@ -259,23 +290,38 @@ def objective_loss(instances: Instances, objective: str, W, hparams=None, batch_
     with torch.no_grad():
         for index in torch.arange(len(instances)).split(batch_size):
             b = instances.batch(index)
-            total += float(obj(projected_logits(W, b["query"], b["keys"]), b["psi"], b["mask"], hp)) * len(index)
+            loss = obj(projected_logits(W, b["query"], b["keys"]), b["psi"], b["mask"], hp)
+            total += float(loss) * len(index)
     return total / len(instances)
 
 
-def fit_layer(layer_capture, objective: str, d_prime: int, hparams=None, seed: int = 0, *, progress: bool = True):
+def fit_layer(
+    layer_capture,
+    objective: str,
+    d_prime: int,
+    hparams=None,
+    seed: int = 0,
+    *,
+    progress: bool = True,
+    device=None,
+):
     """Fit W (d', d) for one layer. Returns (W, history), history = [(step, minibatch loss)].
 
     Closed-form objectives return an empty history. Gradient objectives: ``n_instances``
     instances sampled once, epochs of shuffled minibatches, Adam for ``steps`` steps, all
-    drawn from one generator seeded with ``seed``, so a fit is deterministic.
+    drawn from one (CPU) generator seeded with ``seed``, so a fit is deterministic on a given
+    device. ``device``: where to fit (default: where the capture is); W comes back on the CPU.
     """
     obj, hp = get_objective(objective), FitHparams.from_mapping(hparams)
+    if device is not None:
+        layer_capture = {name: t.to(device) for name, t in layer_capture.items()}
     if not obj.trained:
-        return obj.fit(_flat(layer_capture["q"]), _flat(layer_capture["k"]), d_prime, seed), []
+        return obj.fit(_flat(layer_capture["q"]), _flat(layer_capture["k"]), d_prime, seed).cpu(), []
     generator = torch.Generator().manual_seed(seed)
     instances = sample_instances(layer_capture, hp.n_instances, generator, hp.min_position)
-    W = torch.nn.Parameter(initial_projection(layer_capture, d_prime, hp.init, seed))
+    W = torch.nn.Parameter(
+        initial_projection(layer_capture, d_prime, hp.init, seed).to(layer_capture["q"].device)
+    )
     optimizer = torch.optim.Adam([W], lr=hp.lr)
     history, order = [], torch.empty(0, dtype=torch.long)
     for step in tqdm(range(hp.steps), desc=f"{objective} d'={d_prime}", disable=not progress, leave=False):
@@ -288,12 +334,19 @@ def fit_layer(layer_capture, objective: str, d_prime: int, hparams=None, seed: i
         loss.backward()
         optimizer.step()
         history.append((step, loss.item()))
-    return W.detach().clone(), history
+    return W.detach().cpu().clone(), history
 
 
 def fit_projections(
-    capture, objective: str, d_prime: int, hparams=None, seed: int = 0, *, progress: bool = True,
+    capture,
+    objective: str,
+    d_prime: int,
+    hparams=None,
+    seed: int = 0,
+    *,
+    progress: bool = True,
     return_history: bool = False,
+    device=None,
 ):
     """{layer: W} for every captured layer, each fitted independently with seed ``seed + layer``.
 
@@ -302,26 +355,27 @@ def fit_projections(
     W_by_layer, histories = {}, {}
     for layer in tqdm(sorted(capture), desc=f"layers ({objective})", disable=not progress):
         W_by_layer[layer], histories[layer] = fit_layer(
-            capture[layer], objective, d_prime, hparams, seed + layer, progress=progress
+            capture[layer], objective, d_prime, hparams, seed + layer, progress=progress, device=device
         )
     return (W_by_layer, histories) if return_history else W_by_layer
 
 
 @torch.no_grad()
-def attention_fidelity(capture, projections, *, chunk_size: int = 256) -> list[dict]:
+def attention_fidelity(capture, projections, *, chunk_size: int = 256, device=None) -> list[dict]:
     """Per projected layer: mean KL(psi || pi_theta) over all (sequence, head, position) and
     mean squared error between psi V and pi_theta V over all output elements.
 
     Query positions go ``chunk_size`` at a time, so memory is O(H chunk_size T) per step.
+    ``device``: where to compute (default: where the capture is).
     """
     rows = []
     for layer, W in sorted(projections.items()):
         if layer not in capture:
             raise KeyError(f"projection for layer {layer} but the capture has layers {sorted(capture)}")
-        q, k, v = (capture[layer][name] for name in "qkv")
+        q, k, v = (capture[layer][name].to(device) for name in "qkv")
         n, heads, seq_len, d = q.shape
         kv_heads = k.shape[1]
-        W = W.to(q.dtype)
+        W = W.to(device=q.device, dtype=q.dtype)
         WtW = W.T @ W  # (d, d): q'.k' = (W^T W q).k
         kl_sum = mse_sum = 0.0
         for i in range(n):
@@ -329,7 +383,10 @@ def attention_fidelity(capture, projections, *, chunk_size: int = 256) -> list[d
                 stop = min(start + chunk_size, seq_len)
                 qc = q[i, :, start:stop].reshape(kv_heads, heads // kv_heads, stop - start, d)
                 keys, values = k[i, :, :stop], v[i, :, :stop]  # (H_kv, stop, d)
-                mask = torch.arange(stop)[None, :] <= torch.arange(start, stop)[:, None]  # (c, stop)
+                mask = (
+                    torch.arange(stop, device=q.device)[None, :]
+                    <= torch.arange(start, stop, device=q.device)[:, None]
+                )
                 full = torch.einsum("hgcd,htd->hgct", qc, keys) / math.sqrt(d)
                 low = torch.einsum("hgcd,htd->hgct", qc @ WtW, keys) / math.sqrt(W.shape[0])
                 log_psi = torch.log_softmax(full.masked_fill(~mask, float("-inf")), -1)
@@ -339,7 +396,104 @@ def attention_fidelity(capture, projections, *, chunk_size: int = 256) -> list[d
                 kl_sum += kl.sum(dtype=torch.float64).item()
                 diff = torch.einsum("hgct,htd->hgcd", psi - log_pi.exp(), values)  # psi V - pi V
                 mse_sum += diff.pow(2).sum(dtype=torch.float64).item()
-        rows.append({"layer": layer, "kl": kl_sum / (n * heads * seq_len), "mse": mse_sum / (n * heads * seq_len * d)})
+        rows.append(
+            {"layer": layer, "kl": kl_sum / (n * heads * seq_len), "mse": mse_sum / (n * heads * seq_len * d)}
+        )
+    return rows
+
+
+# ---- file-level steps, one per workflow rule (workflow_scripts/*.py call these) -------------
+
+
+def document_windows(tokenizer, texts, seq_len: int, n_sequences: int) -> torch.LongTensor:
+    """(n_sequences, seq_len) token windows: the first seq_len tokens of each document, as in
+    seed 003 section 3.3 (first 4096 tokens of each chapter long enough), then the next
+    non-overlapping window of each document in turn if there are fewer documents than
+    sequences. Documents shorter than seq_len are skipped.
+    """
+    per_document = []
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        windows = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
+        if windows:
+            per_document.append(windows)
+    rounds = max((len(w) for w in per_document), default=0)
+    picked = [w[r] for r in range(rounds) for w in per_document if r < len(w)][:n_sequences]
+    if len(picked) < n_sequences:
+        raise ValueError(
+            f"the documents hold only {len(picked)} windows of {seq_len} tokens, need {n_sequences}"
+        )
+    return torch.tensor(picked, dtype=torch.long)
+
+
+def capture_to_file(
+    source,
+    documents,
+    seq_len: int,
+    n_sequences: int,
+    out_path,
+    model_name: str,
+    device: str = "cpu",
+    batch_size: int = 1,
+) -> dict:
+    """Load the frozen model and tokenizer at ``source`` (our run directory or a hub name),
+    capture q/k/v on windows of the jsonl ``documents`` and save them; returns the metadata."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .data import read_documents
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).to(device).eval()
+    ids = document_windows(
+        tokenizer, (doc["text"] for doc in read_documents(documents)), seq_len, n_sequences
+    )
+    capture = capture_qkv(model, ids, batch_size=batch_size)
+    meta = {"model": model_name, "source": str(source), "documents": str(documents)}
+    save_capture(capture, out_path, meta)
+    return _read_metadata(out_path)
+
+
+def fit_to_file(capture_path, objective: str, d_prime: int, hparams, out_path, device: str = "cpu") -> None:
+    """Fit one projection per captured layer and save it; ``hparams`` may carry ``seed``."""
+    hparams = dict(hparams or {})
+    seed = int(hparams.pop("seed", 0))
+    hp = FitHparams.from_mapping(hparams)
+    capture, capture_meta = load_capture(capture_path)
+    W, histories = fit_projections(capture, objective, d_prime, hp, seed, return_history=True, device=device)
+    meta = {
+        "model": capture_meta.get("model"),
+        "objective": objective,
+        "seed": seed,
+        "hparams": asdict(hp) if get_objective(objective).trained else {},
+        "history": {str(layer): h for layer, h in histories.items()},
+    }
+    save_projections(W, out_path, meta)
+
+
+def fidelity_to_file(
+    capture_path,
+    projections_path,
+    out_csv,
+    model_name: str,
+    objective: str,
+    d_prime: int,
+    device: str | None = None,
+) -> list[dict]:
+    """Per-layer KL and MSE on the evaluation capture, as a CSV with columns
+    model, objective, d_prime, head_dim, layer, kl, mse."""
+    capture, meta = load_capture(capture_path)
+    W, _ = load_projections(projections_path)
+    rows = [
+        {"model": model_name, "objective": objective, "d_prime": d_prime, "head_dim": meta["head_dim"], **row}
+        for row in attention_fidelity(capture, W, device=device)
+    ]
+    Path(out_csv).parent.mkdir(parents=True, exist_ok=True)
+    with open(out_csv, "w", newline="") as f:
+        writer = csv.DictWriter(
+            f, fieldnames=["model", "objective", "d_prime", "head_dim", "layer", "kl", "mse"]
+        )
+        writer.writeheader()
+        writer.writerows(rows)
     return rows
 
 
@@ -350,6 +504,10 @@ __all__ = [
     "OBJECTIVES",
     "attention_fidelity",
     "capture_qkv",
+    "capture_to_file",
+    "document_windows",
+    "fidelity_to_file",
+    "fit_to_file",
     "fit_layer",
     "fit_projections",
     "load_capture",

@@ -224,7 +224,9 @@ def summarize_trajectory(model_dirs: Iterable[os.PathLike | str], out_csv: os.Pa
     _check_one_vanilla(vanilla, ["d_model", "step"])
     missing = sorted(set(df["d_model"]) - set(vanilla["d_model"]))
     if missing:
-        raise ValueError(f"no vanilla run with d_model={missing[0]} among the model directories; rel_to_vanilla needs one")
+        raise ValueError(
+            f"no vanilla run with d_model={missing[0]} among the model directories; rel_to_vanilla needs one"
+        )
     df = df.merge(
         vanilla.drop(columns="run").rename(columns={"val_ppl": "_vanilla_ppl"}), on=["d_model", "step"], how="left"
     )
@@ -395,9 +397,8 @@ def _fmt_fraction(frac: Fraction | None) -> str:
     return str(frac.numerator) if frac.denominator == 1 else f"{frac.numerator}/{frac.denominator}"
 
 
-def _variant_label(variant: str, window=None, show_window: bool = False) -> str:
-    label = VARIANT_LABELS.get(variant, variant)
-    return f"{label} (w={window})" if show_window and window is not None and not pd.isna(window) else label
+def _variant_label(variant: str) -> str:
+    return VARIANT_LABELS.get(variant, variant)
 
 
 def _int_or_missing(x) -> str:
@@ -410,7 +411,9 @@ def _int_or_missing(x) -> str:
 def _read_reference(reference_dir: Path, key: str) -> pd.DataFrame:
     path = Path(reference_dir) / REFERENCE_FILES[key]
     if not path.exists():
-        raise FileNotFoundError(f"paper numbers {path} are missing; reference_dir should be the repository's reference/")
+        raise FileNotFoundError(
+            f"paper numbers {path} are missing; reference_dir should be the repository's reference/"
+        )
     # Strings keep the values exactly as the paper prints them (99.61, 0.079).
     return pd.read_csv(path, dtype=str, keep_default_na=False)
 
@@ -443,7 +446,8 @@ def _dar_table2_note(reference_dir: Path) -> str:
     if ref.empty:
         return ""
     parts = ", ".join(
-        f"{latex_escape(r.rel_ppl_pct)} at d = {latex_escape(r.d_model)} ({latex_escape(r.model)})" for r in ref.itertuples()
+        f"{latex_escape(r.rel_ppl_pct)} at d = {latex_escape(r.d_model)} ({latex_escape(r.model)})"
+        for r in ref.itertuples()
     )
     return Tex(rf"At d\textsubscript{{down}} = d/4 the paper's Table 2 gives Rel.\ {parts}.")
 
@@ -466,7 +470,7 @@ def render_dar_perplexity_table(ppl: pd.DataFrame, reference_dir: Path, path: Pa
         for _, row in rows.iterrows():
             ratio = _dar_ratio(row)
             ref = paper.get((row["variant"], ratio))
-            if row["variant"] == "dar" and row["window"] != main_window:
+            if row["variant"] == "dar" and (pd.isna(row["window"]) or row["window"] != main_window):
                 ref = None  # the paper's Table 1 is at one window; its window sweep is only in words
             cells.append(
                 {
@@ -555,31 +559,52 @@ def render_dar_perplexity_figure(ppl: pd.DataFrame, reference_dir: Path, path: P
                 ref = sorted((r, p["value"]) for (v, r), p in paper.items() if v == variant)
                 if ref:
                     ax.plot(
-                        [float(r) for r, _ in ref], [v for _, v in ref], ls="--", marker="o" if variant == "dar" else "s",
-                        mfc="white", ms=7, color=VARIANT_COLORS[variant], alpha=0.8, zorder=2,
+                        [float(r) for r, _ in ref],
+                        [v for _, v in ref],
+                        ls="--",
+                        marker="o" if variant == "dar" else "s",
+                        mfc="white",
+                        ms=7,
+                        color=VARIANT_COLORS[variant],
+                        alpha=0.8,
+                        zorder=2,
                     )
                 for window, rows in ours[ours["variant"] == variant].groupby("window", dropna=False):
                     rows = rows.sort_values("ratio")
                     ax.plot(
-                        rows["ratio"].astype(float), rows["rel_to_vanilla"], ls="-", lw=2.2,
-                        marker="o" if variant == "dar" else "s", ms=7, color=VARIANT_COLORS[variant], zorder=3,
+                        rows["ratio"].astype(float),
+                        rows["rel_to_vanilla"],
+                        ls="-",
+                        lw=2.2,
+                        marker="o" if variant == "dar" else "s",
+                        ms=7,
+                        color=VARIANT_COLORS[variant],
+                        zorder=3,
                     )
                     if show_window and variant == "dar":
                         last = rows.iloc[-1]
-                        ax.annotate(f"w={int(window)}", (float(last["ratio"]), last["rel_to_vanilla"]),
-                                    xytext=(6, 0), textcoords="offset points", fontsize=9, va="center")
+                        ax.annotate(
+                            f"w={int(window)}",
+                            (float(last["ratio"]), last["rel_to_vanilla"]),
+                            xytext=(6, 0),
+                            textcoords="offset points",
+                            fontsize=9,
+                            va="center",
+                        )
             _log2_fraction_axis(ax, ratios, r"$d_{\mathrm{down}}/d$ (log scale)")
             ax.set_title(f"corpus: {corpus}")
         for ax in axes[:, 0]:
             ax.set_ylabel("perplexity relative to Vanilla (%)\nlower is better")
-        for ax in list(axes.flat)[len(corpora):]:
+        for ax in list(axes.flat)[len(corpora) :]:
             ax.set_visible(False)
 
         d_ours = ", ".join(str(d) for d in sorted(ppl["d_model"].unique()))
         windows = ", ".join(str(w) for w in sorted(ppl["window"].dropna().unique()))
         ref_any = next(iter(paper.values()), {"d_model": 512, "window": 128, "model": "pythia-70m"})
         handles = [
-            Line2D([], [], color=VARIANT_COLORS["dar"], marker="o", lw=2.2, label=f"DAR, ours (d={d_ours}, w={windows})"),
+            Line2D(
+                [], [], color=VARIANT_COLORS["dar"], marker="o", lw=2.2, label=f"DAR, ours (d={d_ours}, w={windows})"
+            ),
             Line2D([], [], color=VARIANT_COLORS["uniform"], marker="s", lw=2.2, label=f"Uniform, ours (d={d_ours})"),
             Line2D([], [], color=VARIANT_COLORS["dar"], marker="o", mfc="white", ls="--", label="DAR, paper"),
             Line2D([], [], color=VARIANT_COLORS["uniform"], marker="s", mfc="white", ls="--", label="Uniform, paper"),
@@ -595,7 +620,7 @@ def render_dar_perplexity_figure(ppl: pd.DataFrame, reference_dir: Path, path: P
         return _save_figure(fig, path)
 
 
-def _run_label(row, d_model_in_label: bool = False) -> str:
+def _run_label(row) -> str:
     label = VARIANT_LABELS.get(row["variant"], row["variant"])
     if row["variant"] != "vanilla":
         label += f" $d_{{\\mathrm{{down}}}}$={int(row['d_down'])} ({_fmt_fraction(_fraction(row['d_down'], row['d_model']))})"
@@ -628,8 +653,16 @@ def render_dar_trajectory_figure(traj: pd.DataFrame, path: Path) -> Path:
                 shades = sns.color_palette(cmap, len(group) + 2)[2:]
                 for shade, (_, run) in zip(shades, group.iterrows()):
                     rows = traj[traj["run"] == run["run"]].sort_values("tokens")
-                    ax.plot(rows["tokens"], rows["rel_to_vanilla"], color=shade, lw=2, marker=marker, ms=4,
-                            ls="-" if variant == "dar" else "--", label=_run_label(run))
+                    ax.plot(
+                        rows["tokens"],
+                        rows["rel_to_vanilla"],
+                        color=shade,
+                        lw=2,
+                        marker=marker,
+                        ms=4,
+                        ls="-" if variant == "dar" else "--",
+                        label=_run_label(run),
+                    )
             ax.xaxis.set_major_formatter(FuncFormatter(_tokens_formatter))
             ax.set_xlabel("training tokens")
             ax.set_title(f"d = {d_model}")
@@ -720,7 +753,9 @@ def render_dar(summary_dir, reference_dir, tables_dir, figures_dir) -> list[Path
         written.append(render_dar_perplexity_table(ppl, reference_dir, tables_dir / "dar_perplexity.tex"))
         written.append(render_dar_perplexity_figure(ppl, reference_dir, figures_dir / "dar_perplexity.png"))
     if "trajectory" in found:
-        written.append(render_dar_trajectory_figure(_read_summary(found["trajectory"]), figures_dir / "dar_trajectory.png"))
+        written.append(
+            render_dar_trajectory_figure(_read_summary(found["trajectory"]), figures_dir / "dar_trajectory.png")
+        )
     if "lm_eval" in found:
         written.append(render_lm_eval_table(_read_summary(found["lm_eval"]), tables_dir / "lm_eval.tex"))
     return written
@@ -842,7 +877,8 @@ def render_dimpo_fidelity_table(fid: pd.DataFrame, reference_dir: Path, path: Pa
         paper_model=paper_model,
         paper_head_dim=PAPER_DIMPO_HEAD_DIM,
         paper_only=", ".join(
-            OBJECTIVE_LABELS.get(o, o) for o in sorted(set(paper["objective"]) - set(means["objective"]), key=_objective_rank)
+            OBJECTIVE_LABELS.get(o, o)
+            for o in sorted(set(paper["objective"]) - set(means["objective"]), key=_objective_rank)
         ),
     )
 
@@ -869,7 +905,7 @@ def render_dimpo_fidelity_figure(fid: pd.DataFrame, reference_dir: Path, path: P
         FigureCanvasAgg(fig)
         # Not sharex: each row labels its ticks with its own d'; the limits match anyway.
         axes = fig.subplots(len(models) + 1, 2, squeeze=False)
-        handles = {}
+        handles, ours_labels = {}, set()
 
         def draw(ax, rows, value_col, styles, source, dim):
             for objective in objectives:
@@ -882,10 +918,21 @@ def render_dimpo_fidelity_figure(fid: pd.DataFrame, reference_dir: Path, path: P
                     if source == "paper" and len(settings) == 1:
                         label = _plain_label(objective)
                     (line,) = ax.plot(
-                        sel["ratio"].astype(float), sel[value_col], color=color, lw=2.2 if source == "ours" else 1.8,
-                        ls=styles[i % len(styles)], marker="o", ms=6, mfc=color if source == "ours" else "white",
+                        sel["ratio"].astype(float),
+                        sel[value_col],
+                        color=color,
+                        lw=2.2 if source == "ours" else 1.8,
+                        ls=styles[i % len(styles)],
+                        marker="o",
+                        ms=6,
+                        mfc=color if source == "ours" else "white",
                         label=label,
                     )
+                    if source == "ours":
+                        ours_labels.add(label)
+                    elif setting is not None and label in ours_labels:
+                        label = f"{label}, paper"  # a setting we ran too: the paper's line style needs its own entry
+                        line.set_label(label)
                     handles.setdefault(label, line)
             _plain_log_y(ax)
             _log2_fraction_axis(ax, ratios, f"$d'/d$  (in brackets: $d'$ of d={dim})", dim=dim)
@@ -904,8 +951,13 @@ def render_dimpo_fidelity_figure(fid: pd.DataFrame, reference_dir: Path, path: P
             Line2D([], [], color="0.3", lw=2.2, marker="o", label="ours: solid, filled"),
             Line2D([], [], color="0.3", lw=1.8, ls="--", marker="o", mfc="white", label="paper: dashed, hollow"),
         ]
-        fig.legend(handles=legend, labels=[h.get_label() for h in legend], loc="outside right center",
-                   frameon=False, fontsize=10)
+        fig.legend(
+            handles=legend,
+            labels=[h.get_label() for h in legend],
+            loc="outside right center",
+            frameon=False,
+            fontsize=10,
+        )
         fig.suptitle(
             "Attention fidelity of the query/key projection vs. width $d'/d$ (lower is better), ours beside seed 003 "
             "Table 1\nthe paper's model has ~8B parameters, ours is tiny: compare ordering and trend across rows, "

@@ -100,7 +100,12 @@ def test_sample_instances_gqa_keys_and_psi(capture):
 
 def test_trained_and_pca_beat_random(capture):
     kl = {}
-    for objective, hparams in [("random", {}), ("pca", {}), ("kl", FAST), ("dimpo", {**FAST, "k": 8, "lam": 1.0})]:
+    for objective, hparams in [
+        ("random", {}),
+        ("pca", {}),
+        ("kl", FAST),
+        ("dimpo", {**FAST, "k": 8, "lam": 1.0}),
+    ]:
         W = fit_projections(capture, objective, 4, hparams, seed=0, progress=False)
         assert W[0].shape == (4, 16)
         (kl[objective],) = [row["kl"] for row in attention_fidelity(capture, W)]
@@ -108,7 +113,9 @@ def test_trained_and_pca_beat_random(capture):
     assert kl["kl"] < kl["pca"] and kl["dimpo"] < kl["random"]
 
 
-@pytest.mark.parametrize("objective,hparams", [("kl", {}), ("dimpo", {}), ("dimpo", {"gamma": 0.5, "k": 4, "lam": 1.0})])
+@pytest.mark.parametrize(
+    "objective,hparams", [("kl", {}), ("dimpo", {}), ("dimpo", {"gamma": 0.5, "k": 4, "lam": 1.0})]
+)
 @pytest.mark.parametrize("init", ["pca", "random"])
 def test_fitting_reduces_own_loss(capture, objective, hparams, init):
     hp = {**FAST, "steps": 40, **hparams, "init": init}
@@ -148,8 +155,15 @@ def test_kl_objective_on_instances_equals_fidelity_kl_at_those_queries(capture):
 def test_capture_and_projection_files_round_trip(capture, tmp_path):
     save_capture(capture, tmp_path / "c.safetensors", {"model": "synthetic"})
     loaded, meta = load_capture(tmp_path / "c.safetensors")
-    assert meta == {"model": "synthetic", "head_dim": 16, "heads": 4, "kv_heads": 2, "seq_len": 48,
-                    "n_sequences": 2, "layers": [0]}
+    assert meta == {
+        "model": "synthetic",
+        "head_dim": 16,
+        "heads": 4,
+        "kv_heads": 2,
+        "seq_len": 48,
+        "n_sequences": 2,
+        "layers": [0],
+    }
     assert all(torch.equal(loaded[0][x], capture[0][x]) for x in "qkv")
     with pytest.raises(ValueError, match="head_dim"):
         save_capture(capture, tmp_path / "bad.safetensors", {"head_dim": 8})
@@ -166,21 +180,39 @@ def test_capture_and_projection_files_round_trip(capture, tmp_path):
 
 def dimattn_model():
     torch.manual_seed(0)
-    cfg = DimAttnConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        attention="vanilla", max_position_embeddings=64, initializer_range=0.2)
+    cfg = DimAttnConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        attention="vanilla",
+        max_position_embeddings=64,
+        initializer_range=0.2,
+    )
     return DimAttnForCausalLM(cfg).eval(), lambda m, l: m.gpt_neox.layers[l].attention.dense
 
 
 def hf_model(config_class, model_class):
     torch.manual_seed(0)
-    cfg = config_class(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = config_class(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return model_class(cfg).eval(), lambda m, l: m.model.layers[l].self_attn.o_proj
 
 
 @pytest.mark.parametrize(
     "build",
-    [dimattn_model, lambda: hf_model(LlamaConfig, LlamaForCausalLM), lambda: hf_model(Qwen2Config, Qwen2ForCausalLM)],
+    [
+        dimattn_model,
+        lambda: hf_model(LlamaConfig, LlamaForCausalLM),
+        lambda: hf_model(Qwen2Config, Qwen2ForCausalLM),
+    ],
     ids=["dimattn", "llama", "qwen2"],
 )
 def test_capture_reproduces_model_attention(build):
@@ -188,8 +220,10 @@ def test_capture_reproduces_model_attention(build):
     ids = torch.randint(0, 100, (3, 17), generator=torch.Generator().manual_seed(0))
     layers = model.config.num_hidden_layers
     seen = {l: [] for l in range(layers)}  # attention outputs (B, T, H d): input of the output projection
-    hooks = [out_proj(model, l).register_forward_pre_hook(lambda mod, a, l=l: seen[l].append(a[0].clone()))
-             for l in range(layers)]
+    hooks = [
+        out_proj(model, l).register_forward_pre_hook(lambda mod, a, l=l: seen[l].append(a[0].clone()))
+        for l in range(layers)
+    ]
 
     def collect():
         out = {l: torch.cat(parts) for l, parts in seen.items()}
@@ -220,11 +254,15 @@ def test_capture_reproduces_model_attention(build):
         # softmax(q k^T / sqrt d) with a causal mask, times v: the model's own attention output.
         k_rep, v_rep = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
         scores = (q @ k_rep.transpose(-1, -2) / math.sqrt(d)).masked_fill(
-            torch.ones(17, 17, dtype=torch.bool).triu(1), float("-inf"))
+            torch.ones(17, 17, dtype=torch.bool).triu(1), float("-inf")
+        )
         out = (torch.softmax(scores, -1) @ v_rep).transpose(1, 2).reshape(3, 17, heads * d)
         assert torch.allclose(out, plain[l].float(), atol=1e-5)
-        assert torch.allclose(F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True), out.view(
-            3, 17, heads, d).transpose(1, 2), atol=1e-5)
+        assert torch.allclose(
+            F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True),
+            out.view(3, 17, heads, d).transpose(1, 2),
+            atol=1e-5,
+        )
 
 
 def test_capture_selected_layers_and_fit_on_it():
@@ -235,3 +273,55 @@ def test_capture_selected_layers_and_fit_on_it():
     W = fit_projections(capture, "kl", 4, {**FAST, "steps": 20, "n_instances": 128}, progress=False)
     ((row),) = attention_fidelity(capture, W)
     assert row["layer"] == 1 and math.isfinite(row["kl"]) and math.isfinite(row["mse"])
+
+
+def test_file_steps_end_to_end(tmp_path):
+    from dimattn.data import train_tokenizer, write_documents
+    from dimattn.projections import capture_to_file, fidelity_to_file, fit_to_file
+
+    words = "to be or not that is the question whether tis nobler in mind suffer".split()
+    g = torch.Generator().manual_seed(0)
+    docs = [
+        {"id": f"d{i}", "text": " ".join(words[j] for j in torch.randint(0, len(words), (120,), generator=g))}
+        for i in range(3)
+    ]
+    write_documents(docs, tmp_path / "docs.jsonl")
+    tokenizer = train_tokenizer(tmp_path / "docs.jsonl", vocab_size=300, out_dir=tmp_path / "model")
+    model, _ = dimattn_model()
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(tmp_path / "model")
+
+    # 3 documents, 5 sequences: first windows of all three, then second windows.
+    meta = capture_to_file(
+        tmp_path / "model",
+        tmp_path / "docs.jsonl",
+        seq_len=32,
+        n_sequences=5,
+        out_path=tmp_path / "capture.safetensors",
+        model_name="tiny",
+    )
+    assert meta["n_sequences"] == 5 and meta["seq_len"] == 32 and meta["model"] == "tiny"
+    fit_to_file(
+        tmp_path / "capture.safetensors",
+        "kl",
+        4,
+        {**FAST, "steps": 10, "n_instances": 64, "seed": 3},
+        tmp_path / "W.safetensors",
+    )
+    W, wmeta = load_projections(tmp_path / "W.safetensors")
+    assert wmeta["seed"] == 3 and wmeta["hparams"]["steps"] == 10 and len(wmeta["history"]["0"]) == 10
+    rows = fidelity_to_file(
+        tmp_path / "capture.safetensors", tmp_path / "W.safetensors", tmp_path / "f.csv", "tiny", "kl", 4
+    )
+    text = (tmp_path / "f.csv").read_text().splitlines()
+    assert text[0] == "model,objective,d_prime,head_dim,layer,kl,mse" and len(text) == 3
+    assert [r["layer"] for r in rows] == [0, 1] and rows[0]["head_dim"] == 8
+    with pytest.raises(ValueError, match="windows"):
+        capture_to_file(
+            tmp_path / "model",
+            tmp_path / "docs.jsonl",
+            seq_len=32,
+            n_sequences=500,
+            out_path=tmp_path / "x.safetensors",
+            model_name="tiny",
+        )

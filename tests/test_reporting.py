@@ -265,9 +265,19 @@ def test_summarize_lm_eval_long_format(tmp_path):
 
 def test_summarize_lm_eval_keeps_non_default_filter(tmp_path):
     record = {
-        "run": "r", "variant": "vanilla", "d_model": 64, "d_down": None, "window": None,
-        "results": {"gsm8k": {"alias": "gsm8k", "exact_match,flexible-extract": 0.02,
-                              "exact_match_stderr,flexible-extract": 0.004, "sample_len": "n/a"}},
+        "run": "r",
+        "variant": "vanilla",
+        "d_model": 64,
+        "d_down": None,
+        "window": None,
+        "results": {
+            "gsm8k": {
+                "alias": "gsm8k",
+                "exact_match,flexible-extract": 0.02,
+                "exact_match_stderr,flexible-extract": 0.004,
+                "sample_len": "n/a",
+            }
+        },
     }
     path = tmp_path / "r.json"
     path.write_text(json.dumps(record))
@@ -294,8 +304,14 @@ def test_render_all_writes_everything(rendered):
     root, written = rendered
     names = sorted(p.name for p in written)
     assert names == sorted(
-        ["dar_perplexity.tex", "dar_perplexity.png", "dar_trajectory.png", "lm_eval.tex",
-         "dimpo_fidelity.tex", "dimpo_fidelity.png"]
+        [
+            "dar_perplexity.tex",
+            "dar_perplexity.png",
+            "dar_trajectory.png",
+            "lm_eval.tex",
+            "dimpo_fidelity.tex",
+            "dimpo_fidelity.png",
+        ]
     )
     for path in written:
         assert path.exists() and path.stat().st_size > 0
@@ -371,6 +387,24 @@ def test_dimpo_table_optional_setting_column(tmp_path):
         reporting._read_summary(summary / "dimpo_fidelity.csv"), REFERENCE, tmp_path / "t.tex"
     ).read_text()
     assert "DimPO ($k{=}64$, $\\lambda{=}1$) & ours" in tex
+    figure = reporting.render_dimpo(summary, REFERENCE, tmp_path / "tables", tmp_path / "figures")[1]
+    assert figure.stat().st_size > 20_000
+
+
+def test_dar_window_sweep_rows_get_no_paper_number(tmp_path):
+    """Table 1 is at one window; a DAR run at another window must not borrow its number."""
+    paths = write_eval_jsons(tmp_path, corpora=("shakespeare",))
+    record = json.loads(next(p for p in paths if run_name("dar", 32) in p.name).read_text())
+    record.update(run="tiny_dar_w0_d32", window=0, ppl=66.0)
+    sweep_path = tmp_path / "w0.json"
+    sweep_path.write_text(json.dumps(record))
+    summary = tmp_path / "summary"
+    reporting.summarize_perplexity(paths + [sweep_path], summary / "dar_perplexity.csv")
+    reporting.render_dar(summary, REFERENCE, tmp_path / "tables", tmp_path / "figures")
+    tex = (tmp_path / "tables" / "dar_perplexity.tex").read_text()
+    assert table_line(tex, "& DAR & 0 &", "& 110.00 &").rstrip(" \\").endswith("--")
+    assert table_line(tex, "& DAR & 32 & 32 &").rstrip(" \\").endswith("99.61")
+    assert "windows other than w = 32" in tex
 
 
 def test_latex_escaping(tmp_path):
