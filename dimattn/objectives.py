@@ -85,7 +85,9 @@ class _ListwiseFunction(torch.autograd.Function):
         grad_i, grad_j = (torch.zeros_like(s_i), torch.zeros_like(s)) if need_grad else (None, None)
         per_chunk = max(1, PAIR_CHUNK_ELEMENTS // max(1, m * length))
         for c in torch.arange(n, device=s.device).split(per_chunk):
-            delta = (psi_i[c, :, None] - psi_j[c, None, :]).clamp_(min=0)  # (c, m, L): Delta_ij [psi_i > psi_j]
+            delta = (psi_i[c, :, None] - psi_j[c, None, :]).clamp_(
+                min=0
+            )  # (c, m, L): Delta_ij [psi_i > psi_j]
             den = delta.sum((1, 2))
             inv = torch.where(den > 0, 1 / den.clamp(min=torch.finfo(den.dtype).tiny), 0.0)
             x = s[c, None, :] - s_i[c, :, None]  # -(s_i - s_j - gamma)

@@ -24,6 +24,7 @@ key/value head h // (H / H_kv), as transformers' ``repeat_kv`` lays them out.
 import csv
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -68,9 +69,9 @@ AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, sdpa_mask)
 def _switch_attention(model, implementation):
     """``set_attn_implementation``, or the config attribute where the model class refuses it.
 
-    transformers only lets a class switch if its modeling source calls
-    ``ALL_ATTENTION_FUNCTIONS.get_interface(``; DimAttn indexes the registry instead, so the
-    call would only log a warning. Setting the config attribute is what the call does anyway.
+    transformers only lets a class switch if its modeling source contains the text
+    ``ALL_ATTENTION_FUNCTIONS.get_interface(``; for any other class the call only logs a
+    warning. Setting the config attribute is what the call does once its checks pass.
     """
     if type(model)._can_set_attn_implementation():
         model.set_attn_implementation(implementation)
@@ -121,6 +122,15 @@ def _read_metadata(path) -> dict:
         return {key: json.loads(value) for key, value in (f.metadata() or {}).items()}
 
 
+def _save_atomic(tensors, path, metadata) -> None:
+    """safetensors into a temp sibling, then rename: a killed job leaves no half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
 def save_capture(capture, path, meta: Mapping | None = None) -> None:
     """Safetensors file with tensors ``layer{l}.q|k|v`` and JSON-string metadata.
 
@@ -144,7 +154,7 @@ def save_capture(capture, path, meta: Mapping | None = None) -> None:
     tensors = {
         f"layer{layer}.{name}": t.contiguous() for layer, qkv in capture.items() for name, t in qkv.items()
     }
-    save_file(tensors, str(path), metadata=_metadata({**meta, **derived}))
+    _save_atomic(tensors, path, _metadata({**meta, **derived}))
 
 
 def load_capture(path):
@@ -165,9 +175,7 @@ def save_projections(W_by_layer, path, meta: Mapping | None = None) -> None:
         "head_dim": first.shape[1],
         "layers": sorted(W_by_layer),
     }
-    save_file(
-        {f"layer{l}.W": W.contiguous() for l, W in W_by_layer.items()}, str(path), metadata=_metadata(meta)
-    )
+    _save_atomic({f"layer{l}.W": W.contiguous() for l, W in W_by_layer.items()}, path, _metadata(meta))
 
 
 def load_projections(path):
@@ -426,6 +434,11 @@ def document_windows(tokenizer, texts, seq_len: int, n_sequences: int) -> torch.
     return torch.tensor(picked, dtype=torch.long)
 
 
+def _is_dimattn_directory(source) -> bool:
+    config = Path(str(source)) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "dimattn"
+
+
 def capture_to_file(
     source,
     documents,
@@ -443,7 +456,11 @@ def capture_to_file(
     from .data import read_documents
 
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).to(device).eval()
+    # Remote code only for our own run directories; a hub model loads with transformers' own
+    # classes (Llama, Qwen2, ...) and never runs code from the hub.
+    ours = _is_dimattn_directory(source)
+    dtype = torch.float32 if ours or device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=ours, dtype=dtype).to(device).eval()
     ids = document_windows(
         tokenizer, (doc["text"] for doc in read_documents(documents)), seq_len, n_sequences
     )
@@ -487,13 +504,16 @@ def fidelity_to_file(
         {"model": model_name, "objective": objective, "d_prime": d_prime, "head_dim": meta["head_dim"], **row}
         for row in attention_fidelity(capture, W, device=device)
     ]
-    Path(out_csv).parent.mkdir(parents=True, exist_ok=True)
-    with open(out_csv, "w", newline="") as f:
+    out_csv = Path(out_csv)
+    out_csv.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_csv.with_name(out_csv.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(
             f, fieldnames=["model", "objective", "d_prime", "head_dim", "layer", "kl", "mse"]
         )
         writer.writeheader()
         writer.writerows(rows)
+    os.replace(tmp, out_csv)
     return rows
 
 

@@ -7,7 +7,14 @@ import torch
 
 from dimattn.attention import ATTENTION_VARIANTS, causal_attention, dar_attention
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def naive_dar(q, k_near, v_near, k_far, v_far, window):
