@@ -163,7 +163,8 @@ rule render_dimpo_report:
 
 
 # `snakemake figures`: re-render every table and figure from the summaries that exist, with no
-# training. It declares no input on purpose, so Snakemake never schedules upstream jobs for it.
+# training. It declares no input on purpose, so Snakemake never schedules upstream jobs for it,
+# and no output (not even a benchmark file), so it runs whenever it is asked for.
 rule figures:
     log:
         f"{LOGS}/report/figures.log",
