@@ -26,7 +26,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .settings import from_mapping
 from .objectives import OBJECTIVES, get_objective, pca_projection, random_projection
 
 CAPTURE_IMPLEMENTATION = "dimattn_capture"
@@ -269,13 +270,7 @@ class FitHparams:
     def from_mapping(cls, hparams) -> "FitHparams":
         if isinstance(hparams, cls):
             return hparams
-        hparams = dict(hparams or {})
-        unknown = set(hparams) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(
-                f"unknown fit hyperparameters {sorted(unknown)}; known: {[f.name for f in fields(cls)]}"
-            )
-        out = cls(**hparams)
+        out = from_mapping(cls, hparams, "fit hyperparameters")
         if out.init not in ("pca", "random"):
             raise ValueError(f"init={out.init!r} must be 'pca' or 'random'")
         return out

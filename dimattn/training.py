@@ -8,7 +8,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from .configuration_dimattn import DimAttnConfig
 from .data import load_tokens
 from .modeling_dimattn import DimAttnForCausalLM
+from .settings import from_mapping
 
 METRICS_COLUMNS = ["step", "tokens", "lr", "train_loss", "val_loss"]
 
@@ -48,11 +49,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown training keys {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**d)
+        return from_mapping(cls, d, "training keys")
 
     @property
     def tokens_per_step(self) -> int:

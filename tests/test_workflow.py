@@ -2,7 +2,6 @@
 config through the whole DAG in a scratch working directory."""
 
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -46,6 +45,18 @@ def test_snakefmt_check():
     files = [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk"))]
     out = subprocess.run([str(BIN / "snakefmt"), "--check", *map(str, files)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_schema_enums_match_the_registries():
+    """The schema names the variants and objectives for early errors; the code is the authority."""
+    from dimattn.attention import ATTENTION_VARIANTS
+    from dimattn.objectives import OBJECTIVES
+
+    schema = yaml.safe_load((REPO / "schemas/config.schema.yaml").read_text())
+    sweep = schema["properties"]["pretraining"]["properties"]["sweeps"]["items"]["properties"]
+    objectives = schema["properties"]["dimpo"]["properties"]["objectives"]["items"]
+    assert set(sweep["attention"]["enum"]) == set(ATTENTION_VARIANTS)
+    assert set(objectives["enum"]) == set(OBJECTIVES)
 
 
 def test_paper_dry_run_builds_the_full_dag(tmp_path):
