@@ -224,7 +224,3 @@ def _export(model, tokenizer, train_cfg: TrainConfig, metrics_path: Path, out_di
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
 
-
-def set_threads(n: int) -> None:
-    torch.set_num_threads(max(1, n))
-
