@@ -200,7 +200,7 @@ def run_lm_eval(model_dir: Path, tasks: list[dict], tasks_dir: Path | None, batc
             limit=limit,
             task_manager=manager,
             log_samples=False,
-            bootstrap_iters=0,
+            bootstrap_iters=1000,  # stderr: closed form for means, bootstrap for perplexities
         )
         results.update(out["results"])
         configs.update({k: v.get("num_fewshot") for k, v in out.get("configs", {}).items()})

@@ -257,8 +257,11 @@ def summarize_lm_eval(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike |
         fields = _run_fields(record)
         for task, metrics in record["results"].items():
             for key, value in metrics.items():
+                # lm-eval names metrics "metric,filter"; plain keys (alias, name, sample_len) are bookkeeping
+                if "," not in key:
+                    continue
                 name, filt = _split_metric_key(key)
-                if key == "alias" or name.endswith("_stderr") or _number(value) is None:
+                if name.endswith("_stderr") or _number(value) is None:
                     continue
                 stderr_key = f"{name}_stderr,{filt}" if "," in key else f"{name}_stderr"
                 stderr = _number(metrics.get(stderr_key))
