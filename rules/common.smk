@@ -172,12 +172,24 @@ def run_spec(wildcards):
     return RUNS[wildcards.run]
 
 
-def run_resources(key, default):
+def _resource(spec, key, default):
+    """A resource from a config section; mem_mb grows with the attempt, so retries get more."""
+
     def get(wildcards, attempt=1):
-        value = RUNS[wildcards.run]["resources"].get(key, default)
+        value = spec(wildcards).get(key, default)
         return value * attempt if key == "mem_mb" else value
 
     return get
+
+
+def run_resources(key, default):
+    return _resource(lambda wc: RUNS[wc.run]["resources"], key, default)
+
+
+def dimpo_resources(key, default):
+    return _resource(
+        lambda wc: config.get("dimpo", {}).get("resources", {}), key, default
+    )
 
 
 def gpu_count():

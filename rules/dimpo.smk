@@ -20,8 +20,8 @@ rule capture_qkv:
         "../envs/torch.yaml"
     threads: 1
     resources:
-        runtime=30,
-        mem_mb=lambda wc, attempt: 8000 * attempt,
+        runtime=dimpo_resources("runtime", 30),
+        mem_mb=dimpo_resources("mem_mb", 8000),
         gpu=gpu_count(),
     params:
         source=dimpo_model_source,
@@ -46,11 +46,8 @@ rule fit_projection:
         "../envs/torch.yaml"
     threads: config.get("dimpo", {}).get("resources", {}).get("threads", 1)
     resources:
-        runtime=config.get("dimpo", {}).get("resources", {}).get("runtime", 30),
-        mem_mb=lambda wc, attempt: config.get("dimpo", {})
-        .get("resources", {})
-        .get("mem_mb", 4000)
-        * attempt,
+        runtime=dimpo_resources("runtime", 30),
+        mem_mb=dimpo_resources("mem_mb", 4000),
         gpu=gpu_count(),
     params:
         hparams=config.get("dimpo", {}).get("hparams", {}),
@@ -75,8 +72,8 @@ rule attention_fidelity:
         "../envs/torch.yaml"
     threads: 1
     resources:
-        runtime=30,
-        mem_mb=lambda wc, attempt: 8000 * attempt,
+        runtime=dimpo_resources("runtime", 30),
+        mem_mb=dimpo_resources("mem_mb", 8000),
         gpu=gpu_count(),
     script:
         "../workflow_scripts/attention_fidelity.py"

@@ -75,6 +75,19 @@ def test_paper_dry_run_builds_the_full_dag(tmp_path):
     assert "pythia-70m-dar-w128-d64" in text
 
 
+def test_slurm_profile_builds_the_paper_dag(tmp_path):
+    """The SLURM profile parses and drives the paper DAG (conda is left out: none on this machine)."""
+    work = workdir(tmp_path)
+    profile = yaml.safe_load((REPO / "profiles/slurm/config.v8+.yaml").read_text())
+    assert profile["executor"] == "slurm" and profile["retries"] >= 1
+    profile.pop("software-deployment-method")
+    (work / "slurm").mkdir()
+    (work / "slurm" / "config.v8+.yaml").write_text(yaml.safe_dump(profile))
+    out = snakemake("-n", "--profile", "slurm", "--configfile", "configs/paper.yaml", cwd=work, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "pretrain                   10" in out.stdout + out.stderr
+
+
 def bad(mutate):
     cfg = copy.deepcopy(DEFAULT)
     mutate(cfg)
