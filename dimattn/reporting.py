@@ -17,7 +17,6 @@ import json
 import math
 import os
 import re
-import uuid
 from collections.abc import Iterable
 from fractions import Fraction
 from pathlib import Path
@@ -30,6 +29,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+from .atomic import atomic_file
 
 # Summary files, one per kind of raw output; render_all finds the groups by these names.
 SUMMARY_FILES = {
@@ -95,15 +96,8 @@ MISSING = "--"
 def _atomic_write(path: Path, write) -> Path:
     """Call write(tmp_path) on a temporary file beside path, then os.replace it into place."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Same directory, so os.replace is atomic; opened normally, so the umask sets permissions.
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{path.suffix}"
-    try:
+    with atomic_file(path) as tmp:
         write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

@@ -6,7 +6,6 @@ resumes from, and a metrics CSV (step, tokens, lr, train_loss, val_loss).
 import csv
 import json
 import math
-import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from .atomic import atomic_dir, atomic_file
 from .configuration_dimattn import DimAttnConfig
 from .data import load_tokens
 from .modeling_dimattn import DimAttnForCausalLM
@@ -108,9 +108,8 @@ def evaluate_loss(model, batches: torch.Tensor, batch_size: int) -> float:
 
 
 def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def _load_checkpoint(path: Path):
@@ -213,14 +212,11 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 def _export(model, tokenizer, train_cfg: TrainConfig, metrics_path: Path, out_dir: Path) -> None:
     """save_pretrained into a temp sibling, then rename: the run directory appears whole or not at all."""
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     model.config.register_for_auto_class()
     model.register_for_auto_class("AutoModelForCausalLM")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.copy(metrics_path, tmp / "metrics.csv")
-    (tmp / "training.json").write_text(json.dumps(asdict(train_cfg), indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.copy(metrics_path, tmp / "metrics.csv")
+        (tmp / "training.json").write_text(json.dumps(asdict(train_cfg), indent=2))
 

@@ -1,0 +1,51 @@
+"""Atomic outputs: a file or folder appears whole under its final name, or not at all.
+
+Every stage writes through these, so a killed job never leaves half a result behind for
+Snakemake (or a person) to mistake for a finished one.
+"""
+
+import os
+import secrets
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def _temp_sibling(dest: Path) -> Path:
+    """An unused hidden name next to dest, on the same filesystem so a rename is atomic."""
+    return dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
+
+
+@contextmanager
+def atomic_file(dest: Path):
+    """Yield a temp path to write; it becomes dest only if the block succeeds."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_sibling(dest)
+    try:
+        yield tmp
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_dir(dest: Path):
+    """Yield an empty temp dir to fill; it replaces dest only if the block succeeds."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_sibling(dest)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if dest.exists():
+            # os.replace cannot overwrite a non-empty dir: move the old one aside first.
+            old = _temp_sibling(dest)
+            os.rename(dest, old)
+            os.rename(tmp, dest)
+            if old.is_dir():
+                shutil.rmtree(old)
+            else:
+                old.unlink()
+        else:
+            os.rename(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
