@@ -1,15 +1,44 @@
-"""Attention kernels: vanilla causal, DAR (seed 000, Eq. 3-4) and uniform reduction.
+"""Attention kernels: vanilla causal, DAR (seed 000, Eq. 3-4), uniform reduction, sliding window
+and dilated attention (seed 001).
 
 Every function takes tensors shaped (batch, heads, time, head_dim). Queries sit at absolute
 positions ``q_offset + arange(Tq)``, keys at ``arange(Tk)``; ``q_offset = Tk - Tq`` when a cache
-holds the earlier keys. This file imports nothing from the rest of ``dimattn`` because
+holds the earlier keys.
+
+Window convention: key j <= i is "near" when i - j < window, so ``window`` counts the query's own
+token. Seed 001's reference code keeps positions max(0, i - W) .. i, that is W + 1 tokens: its
+``window_size=W`` is our ``window=W + 1``.
+
+Three implementations compute the same thing, chosen by ``kernel``:
+
+- ``"dense"``: one SDPA call under a boolean mask (for DAR, over the two key sets concatenated,
+  a Tq x 2Tk mask). Handles a KV cache (q_offset) and key padding; the reference path.
+- ``"blocked"``: training and prefill on CPU. Each pattern is a sum of *paths* (a band of recent
+  keys, a causal set shifted by the window, a strided set), each computed on its own, and merged
+  through their log-sum-exp into one softmax. No T x 2T mask exists; the band costs
+  O(T * 2 block), the shifted causal path runs in PyTorch's fused CPU flash kernel. The backward
+  is exact: each path's gradient uses the *merged* output and log-sum-exp.
+- ``"flex"``: FlexAttention with a block mask, for CUDA (where it compiles to a fused kernel
+  with a backward); on CPU it runs unfused and forward-only, which is what the tests check.
+
+``"auto"`` picks flex on CUDA, blocked on CPU when there is no cache offset and no padding,
+dense otherwise. This file imports nothing from the rest of ``dimattn`` because
 ``save_pretrained`` copies it next to the model code (trust_remote_code loading).
 """
 
+import functools
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+KERNELS = ("auto", "dense", "blocked", "flex")
+NEG_INF = float("-inf")
+
+
+# --- dense masks (reference path, caches, padding) ---------------------------------------------
 
 
 def _distances(tq: int, tk: int, q_offset: int, device) -> torch.Tensor:
@@ -32,64 +61,423 @@ def _with_padding(mask: torch.Tensor, key_padding_mask: torch.Tensor | None) -> 
     return mask | empty
 
 
+def _dense(q, k, v, mask, key_padding_mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_with_padding(mask, key_padding_mask))
+
+
+def _strided(dist: torch.Tensor, window: int, dilation: int) -> torch.Tensor:
+    """Keys beyond the window kept by dilated attention: absolute positions 0, r, 2r, ..."""
+    j = torch.arange(dist.shape[-1], device=dist.device)[None, :]
+    return (dist >= window) & (j % dilation == 0)
+
+
+# --- blocked paths, merged through their log-sum-exp ---------------------------------------------
+
+
+def _wide(*xs):
+    return [x.float() if x.dtype in (torch.float16, torch.bfloat16) else x for x in xs]
+
+
+def _masked_forward(q, k, v, mask, scale):
+    """Softmax attention restricted to ``mask``; returns (output, log-sum-exp). Rows with no
+    key get output 0 and lse -inf, so they drop out of the merge. The scores are the one big
+    tensor here, so every pass over them is done in place; half precision computes in float32."""
+    q, k, v = _wide(q, k, v)
+    s = (q * scale) @ k.transpose(-1, -2)
+    s.masked_fill_(~mask, NEG_INF)
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isinf(m), 0.0, m)
+    p = s.sub_(m).exp_()
+    total = p.sum(dim=-1, keepdim=True)
+    out = (p @ v) / torch.where(total == 0, 1.0, total)
+    return out, (m + total.log()).squeeze(-1)
+
+
+def _masked_backward(q, k, v, mask, scale, d_out, out, lse):
+    """Gradient of one path inside a merged softmax: P uses the merged lse, D the merged output."""
+    q, k, v, d_out, out = _wide(q, k, v, d_out, out)
+    s = (q * scale) @ k.transpose(-1, -2)
+    s.masked_fill_(~mask, NEG_INF)
+    p = s.sub_(torch.where(torch.isinf(lse), 0.0, lse)[..., None]).exp_()
+    ds = (d_out @ v.transpose(-1, -2)).sub_((d_out * out).sum(-1, keepdim=True)).mul_(p)
+    return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ d_out
+
+
+class Band:
+    """Keys 0 <= i - j < window, block by block: a block of b queries sees its own block and the
+    m - 1 blocks before it (m b >= window - 1 + b keys), so the scores cost about
+    T * (window + b), never T^2. Blocks of b ~ window / 4 keep the wasted share near 20%."""
+
+    def __init__(self, window: int):
+        self.window = window
+
+    def _geometry(self, t: int):
+        b = min(64, max(16, self.window // 4))
+        m = -(-(self.window - 1) // b) + 1  # key blocks per query block
+        return b, m, -(-t // b)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def _mask(window, b, m, nb, device):
+        n = torch.arange(nb, device=device)[:, None, None]
+        i = n * b + torch.arange(b, device=device)[:, None]  # absolute query position
+        j = (n - m + 1) * b + torch.arange(m * b, device=device)  # absolute key position
+        return (j >= 0) & (i - j >= 0) & (i - j < window)  # (nb, b, m b)
+
+    @staticmethod
+    def _blocks(x, b, nb):  # (B, H, T, D) -> (B, H, nb, b, D), zero-padded at the end
+        pad = nb * b - x.shape[-2]
+        return (F.pad(x, (0, 0, 0, pad)) if pad else x).unflatten(-2, (nb, b))
+
+    @staticmethod
+    def _spans(x, m):  # (B, H, nb, b, D) -> (B, H, nb, m b, D): key blocks n - m + 1 .. n
+        if m == 1:
+            return x
+        nb = x.shape[-3]
+        padded = F.pad(x, (0, 0, 0, 0, m - 1, 0))
+        return torch.cat([padded[..., c : c + nb, :, :] for c in range(m)], dim=-2)
+
+    @staticmethod
+    def _overlap_add(g, m, t):  # the inverse of _spans for gradients, back to (B, H, T, D)
+        *lead, nb, mb, d = g.shape
+        g = g.view(*lead, nb, m, mb // m, d)
+        total = g[..., m - 1, :, :].clone()
+        for c in range(m - 1):  # chunk c of block n belongs to block n - m + 1 + c
+            shift = m - 1 - c
+            if shift < nb:
+                total[..., : nb - shift, :, :] += g[..., shift:, c, :, :]
+        return total.flatten(-3, -2)[..., :t, :]
+
+    def forward(self, q, k, v, scale):
+        t = q.shape[-2]
+        b, m, nb = self._geometry(t)
+        kb, vb = (self._spans(self._blocks(x, b, nb), m) for x in (k, v))
+        mask = self._mask(self.window, b, m, nb, q.device)
+        out, lse = _masked_forward(self._blocks(q, b, nb), kb, vb, mask, scale)
+        return out.flatten(-3, -2)[..., :t, :], lse.flatten(-2)[..., :t]
+
+    def backward(self, q, k, v, scale, d_out, out, lse):
+        t = q.shape[-2]
+        b, m, nb = self._geometry(t)
+        qb, dob, ob = (self._blocks(x, b, nb) for x in (q, d_out, out))
+        lseb = F.pad(lse, (0, nb * b - t)).unflatten(-1, (nb, b))
+        kb, vb = (self._spans(self._blocks(x, b, nb), m) for x in (k, v))
+        mask = self._mask(self.window, b, m, nb, q.device)
+        dq, dk, dv = _masked_backward(qb, kb, vb, mask, scale, dob, ob, lseb)
+        return dq.flatten(-3, -2)[..., :t, :], self._overlap_add(dk, m, t), self._overlap_add(dv, m, t)
+
+
+def _fused_cpu(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
+class ShiftedCausal:
+    """Keys j <= i - shift: causal attention of queries [shift:] over keys [:T - shift], in
+    PyTorch's fused CPU flash kernel (which returns the log-sum-exp the merge needs)."""
+
+    def __init__(self, shift: int):
+        self.shift = shift
+
+    def forward(self, q, k, v, scale):
+        t, s = q.shape[-2], self.shift
+        if s >= t:
+            return q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full(q.shape[:-1], NEG_INF)
+        qs, ks, vs = q[..., s:, :].contiguous(), k[..., : t - s, :].contiguous(), v[..., : t - s, :].contiguous()
+        if _fused_cpu(q):
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, ks, vs, 0.0, True, scale=scale)
+        else:
+            o, lse = _masked_forward(qs, ks, vs, self._tril(t - s, q.device), scale)
+        return F.pad(o, (0, 0, s, 0)), F.pad(lse, (s, 0), value=NEG_INF)
+
+    @staticmethod
+    def _tril(n, device):
+        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+    def backward(self, q, k, v, scale, d_out, out, lse):
+        t, s = q.shape[-2], self.shift
+        if s >= t:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        args = [x.contiguous() for x in (q[..., s:, :], k[..., : t - s, :], v[..., : t - s, :])]
+        tail = [x[..., s:, :].to(q.dtype).contiguous() for x in (d_out, out)]
+        if _fused_cpu(q):
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                tail[0], *args, tail[1], lse[..., s:].contiguous(), 0.0, True, scale=scale
+            )
+        else:
+            dq, dk, dv = _masked_backward(*args, self._tril(t - s, q.device), scale, tail[0], tail[1], lse[..., s:])
+        return F.pad(dq, (0, 0, s, 0)), F.pad(dk, (0, 0, 0, s)), F.pad(dv, (0, 0, 0, s))
+
+
+class Strided:
+    """Dilated keys beyond the window: absolute positions 0, r, 2r, ... with i - j >= window.
+    Scores cost O(T * T / r)."""
+
+    def __init__(self, window: int, dilation: int):
+        self.window, self.dilation = window, dilation
+
+    def _mask(self, t, device):
+        i = torch.arange(t, device=device)[:, None]
+        j = torch.arange(0, t, self.dilation, device=device)[None, :]
+        return i - j >= self.window
+
+    def forward(self, q, k, v, scale):
+        r = self.dilation
+        return _masked_forward(q, k[..., ::r, :], v[..., ::r, :], self._mask(q.shape[-2], q.device), scale)
+
+    def backward(self, q, k, v, scale, d_out, out, lse):
+        r = self.dilation
+        mask = self._mask(q.shape[-2], q.device)
+        dq, dks, dvs = _masked_backward(q, k[..., ::r, :], v[..., ::r, :], mask, scale, d_out, out, lse)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        dk[..., ::r, :], dv[..., ::r, :] = dks, dvs
+        return dq, dk, dv
+
+
+def merge_paths(parts):
+    """[(out_i, lse_i)] -> (out, lse) of one softmax over the union of the paths' keys."""
+    wide = torch.promote_types(parts[0][0].dtype, torch.float32)
+    lse = functools.reduce(torch.logaddexp, [l.to(wide) for _, l in parts])
+    safe = torch.where(torch.isinf(lse), 0.0, lse)
+    out = sum(torch.exp(l - safe)[..., None] * o.to(wide) for o, l in parts)
+    return out, lse
+
+
+class _MergedAttention(torch.autograd.Function):
+    """Paths over their own key/value sets, one softmax; the backward is exact."""
+
+    @staticmethod
+    def forward(ctx, q, paths, scale, *kvs):
+        pairs = list(zip(kvs[0::2], kvs[1::2]))
+        out, lse = merge_paths([p.forward(q, k, v, scale) for p, (k, v) in zip(paths, pairs)])
+        out = out.to(q.dtype)
+        ctx.paths, ctx.scale = paths, scale
+        ctx.save_for_backward(q, out, lse, *kvs)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, out, lse, *kvs = ctx.saved_tensors
+        d_out = d_out.contiguous()
+        dq, grads = 0, []
+        for path, k, v in zip(ctx.paths, kvs[0::2], kvs[1::2]):
+            g_q, g_k, g_v = path.backward(q, k, v, ctx.scale, d_out, out, lse)
+            dq = dq + g_q
+            grads += [g_k.to(k.dtype), g_v.to(v.dtype)]
+        return dq.to(q.dtype), None, None, *grads
+
+
+def blocked_attention(q, paths_and_kvs):
+    """Attention over [(path, k, v), ...] merged through the log-sum-exp (see module doc)."""
+    paths = tuple(p for p, _, _ in paths_and_kvs)
+    kvs = [x for _, k, v in paths_and_kvs for x in (k, v)]
+    return _MergedAttention.apply(q, paths, q.shape[-1] ** -0.5, *kvs)
+
+
+# --- FlexAttention (CUDA) ----------------------------------------------------------------------
+
+
+@functools.cache
+def _flex():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if torch.cuda.is_available():
+        flex_attention = torch.compile(flex_attention, dynamic=False)
+    return flex_attention, functools.lru_cache(maxsize=32)(
+        lambda mask_name, t, window, dilation, device: create_block_mask(
+            _FLEX_MASKS[mask_name](t, window, dilation), None, None, t, 2 * t if mask_name == "dar" else t, device=device
+        )
+    )
+
+
+def _flex_dar(t, window, dilation):
+    def mask_mod(b, h, q_idx, kv_idx):
+        far = kv_idx >= t
+        j = torch.where(far, kv_idx - t, kv_idx)
+        dist = q_idx - j
+        return torch.where(far, dist >= window, (dist >= 0) & (dist < window))
+
+    return mask_mod
+
+
+def _flex_swa(t, window, dilation):
+    return lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+
+def _flex_dilated(t, window, dilation):
+    def mask_mod(b, h, q_idx, kv_idx):
+        dist = q_idx - kv_idx
+        return (dist >= 0) & ((dist < window) | ((dist >= window) & (kv_idx % dilation == 0)))
+
+    return mask_mod
+
+
+_FLEX_MASKS = {"dar": _flex_dar, "swa": _flex_swa, "dilated": _flex_dilated}
+
+
+def _flex_attention(mask_name, q, k, v, window, dilation=1):
+    flex_attention, block_mask = _flex()
+    mask = block_mask(mask_name, q.shape[-2], window, dilation, str(q.device))
+    return flex_attention(q, k, v, block_mask=mask)
+
+
+# --- public kernels ------------------------------------------------------------------------------
+
+
+def _choose(kernel, q, tk, q_offset, key_padding_mask):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    aligned = key_padding_mask is None and q_offset == 0 and q.shape[-2] == tk
+    if kernel == "auto":
+        if not aligned or q.shape[-2] == 1:
+            return "dense"
+        return "flex" if q.device.type == "cuda" else "blocked"
+    if kernel != "dense" and not aligned:
+        raise ValueError(f"kernel={kernel!r} needs aligned queries and keys without padding; use 'dense'")
+    return kernel
+
+
+def _check_window(window: int, minimum: int) -> None:
+    if window < minimum:
+        raise ValueError(f"window must be >= {minimum}, got {window}")
+
+
 def causal_attention(q, k, v, *, q_offset: int | None = None, key_padding_mask=None):
     """Softmax(q k^T / sqrt(d)) v over keys j <= i."""
     tq, tk = q.shape[-2], k.shape[-2]
     q_offset = tk - tq if q_offset is None else q_offset
     if key_padding_mask is None and q_offset == 0 and tq == tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    mask = _distances(tq, tk, q_offset, q.device) >= 0
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_with_padding(mask, key_padding_mask))
+    return _dense(q, k, v, _distances(tq, tk, q_offset, q.device) >= 0, key_padding_mask)
 
 
 def dar_attention(
-    q, k_near, v_near, k_far, v_far, window: int, *, q_offset: int | None = None, key_padding_mask=None
+    q, k_near, v_near, k_far, v_far, window: int, *, q_offset: int | None = None, key_padding_mask=None,
+    kernel: str = "auto",
 ):
     """Distance-aware attention, seed 000 Eq. 3-4.
 
     Key/value j <= i comes from the near set when i - j < window, else from the far set; one
-    softmax over the union, scaled by 1/sqrt(head_dim). Concatenating the two key sets along
-    time and masking each to its own distance band gives exactly one live copy of every key.
+    softmax over the union, scaled by 1/sqrt(head_dim).
     """
-    if window < 0:
-        raise ValueError(f"window must be >= 0, got {window}")
+    _check_window(window, 0)
     tq, tk = q.shape[-2], k_near.shape[-2]
     q_offset = tk - tq if q_offset is None else q_offset
+    kernel = _choose(kernel, q, tk, q_offset, key_padding_mask)
+    if kernel == "blocked":
+        if window == 0:  # no near path: every key through the bottleneck (uniform)
+            return F.scaled_dot_product_attention(q, k_far, v_far, is_causal=True)
+        return blocked_attention(q, [(Band(window), k_near, v_near), (ShiftedCausal(window), k_far, v_far)])
+    if kernel == "flex":
+        k, v = torch.cat([k_near, k_far], dim=-2), torch.cat([v_near, v_far], dim=-2)
+        return _flex_attention("dar", q, k, v, window)
+    # Both key sets along time, each masked to its own distance band: one live copy of every key.
     dist = _distances(tq, tk, q_offset, q.device)
-    near = (dist >= 0) & (dist < window)
-    far = dist >= window
-    mask = torch.cat([near, far], dim=-1)  # (Tq, 2 Tk)
+    mask = torch.cat([(dist >= 0) & (dist < window), dist >= window], dim=-1)  # (Tq, 2 Tk)
     if key_padding_mask is not None:
         key_padding_mask = torch.cat([key_padding_mask, key_padding_mask], dim=-1)
-    k = torch.cat([k_near, k_far], dim=-2)  # (B, H, 2 Tk, D)
-    v = torch.cat([v_near, v_far], dim=-2)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_with_padding(mask, key_padding_mask))
+    k, v = torch.cat([k_near, k_far], dim=-2), torch.cat([v_near, v_far], dim=-2)
+    return _dense(q, k, v, mask, key_padding_mask)
+
+
+def latent_dar_attention(q, k_near, v_near, k_far, v_far, window: int, *, q_start: int, near_start: int,
+                         key_padding_mask=None):
+    """DAR over a DAR cache: near keys cover only slots near_start.., far keys every slot 0..;
+    queries sit at slots q_start... window=0 is the uniform reduction (no near key)."""
+    tq, n_near = q.shape[-2], k_near.shape[-2]
+    i = torch.arange(tq, device=q.device)[:, None] + q_start
+    dist_near = i - (torch.arange(n_near, device=q.device) + near_start)
+    dist_far = i - torch.arange(k_far.shape[-2], device=q.device)
+    mask = torch.cat([(dist_near >= 0) & (dist_near < window), dist_far >= window], dim=-1)
+    if key_padding_mask is not None:
+        key_padding_mask = torch.cat([key_padding_mask[:, near_start:], key_padding_mask], dim=-1)
+    k, v = torch.cat([k_near, k_far], dim=-2), torch.cat([v_near, v_far], dim=-2)
+    return _dense(q, k, v, mask, key_padding_mask)
+
+
+def sliding_window_attention(
+    q, k, v, window: int, *, q_offset: int | None = None, key_padding_mask=None, kernel: str = "auto"
+):
+    """Seed 001's sliding window: key j <= i kept when i - j < window (window >= 1)."""
+    _check_window(window, 1)
+    tq, tk = q.shape[-2], k.shape[-2]
+    q_offset = tk - tq if q_offset is None else q_offset
+    kernel = _choose(kernel, q, tk, q_offset, key_padding_mask)
+    if kernel == "blocked":
+        return blocked_attention(q, [(Band(window), k, v)])
+    if kernel == "flex":
+        return _flex_attention("swa", q, k, v, window)
+    dist = _distances(tq, tk, q_offset, q.device)
+    return _dense(q, k, v, (dist >= 0) & (dist < window), key_padding_mask)
+
+
+def dilated_attention(
+    q, k, v, window: int, dilation: int, *, q_offset: int | None = None, key_padding_mask=None,
+    kernel: str = "auto",
+):
+    """Seed 001's dilated attention: the sliding window, plus every ``dilation``-th token beyond
+    it (absolute positions 0, r, 2r, ..., as in the seed's "[0, 4, 8, 12, 16, ...]")."""
+    _check_window(window, 1)
+    if dilation < 1:
+        raise ValueError(f"dilation must be >= 1, got {dilation}")
+    tq, tk = q.shape[-2], k.shape[-2]
+    q_offset = tk - tq if q_offset is None else q_offset
+    kernel = _choose(kernel, q, tk, q_offset, key_padding_mask)
+    if kernel == "blocked":
+        return blocked_attention(q, [(Band(window), k, v), (Strided(window, dilation), k, v)])
+    if kernel == "flex":
+        return _flex_attention("dilated", q, k, v, window, dilation)
+    dist = _distances(tq, tk, q_offset, q.device)
+    mask = ((dist >= 0) & (dist < window)) | _strided(dist, window, dilation)
+    return _dense(q, k, v, mask, key_padding_mask)
+
+
+# --- the registry ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class AttentionVariant:
-    """How a variant builds keys and values and combines them.
-
-    ``near``: keys/values from the full hidden state are used; ``far``: keys/values from the
-    bottlenecked state h W_down W_up are used.
-    """
+    """How a layer attends. ``near``: it reads keys/values of the full hidden state; ``far``: it
+    reads keys/values of the bottlenecked state h W_down W_up (and so owns a bottleneck)."""
 
     near: bool
     far: bool
+    attend: Callable
 
-    def __call__(self, q, near_kv, far_kv, *, window, q_offset=None, key_padding_mask=None):
-        if self.near and self.far:
-            return dar_attention(
-                q, *near_kv, *far_kv, window, q_offset=q_offset, key_padding_mask=key_padding_mask
-            )
-        k, v = near_kv if self.near else far_kv
-        return causal_attention(q, k, v, q_offset=q_offset, key_padding_mask=key_padding_mask)
+    def __call__(self, q, near_kv, far_kv, *, window, dilation=1, q_offset=None, key_padding_mask=None,
+                 kernel="auto"):
+        return self.attend(q, near_kv, far_kv, window=window, dilation=dilation, q_offset=q_offset,
+                           key_padding_mask=key_padding_mask, kernel=kernel)
+
+
+def _vanilla(q, near_kv, far_kv, *, window, dilation, q_offset, key_padding_mask, kernel):
+    return causal_attention(q, *near_kv, q_offset=q_offset, key_padding_mask=key_padding_mask)
+
+
+def _uniform(q, near_kv, far_kv, *, window, dilation, q_offset, key_padding_mask, kernel):
+    return causal_attention(q, *far_kv, q_offset=q_offset, key_padding_mask=key_padding_mask)
+
+
+def _dar(q, near_kv, far_kv, *, window, dilation, q_offset, key_padding_mask, kernel):
+    return dar_attention(q, *near_kv, *far_kv, window, q_offset=q_offset, key_padding_mask=key_padding_mask,
+                         kernel=kernel)
+
+
+def _swa(q, near_kv, far_kv, *, window, dilation, q_offset, key_padding_mask, kernel):
+    return sliding_window_attention(q, *near_kv, window, q_offset=q_offset, key_padding_mask=key_padding_mask,
+                                    kernel=kernel)
+
+
+def _dilated(q, near_kv, far_kv, *, window, dilation, q_offset, key_padding_mask, kernel):
+    return dilated_attention(q, *near_kv, window, dilation, q_offset=q_offset, key_padding_mask=key_padding_mask,
+                             kernel=kernel)
 
 
 # Registry of attention variants, looked up by the config field ``attention``.
 ATTENTION_VARIANTS: dict[str, AttentionVariant] = {
-    "vanilla": AttentionVariant(near=True, far=False),
-    "dar": AttentionVariant(near=True, far=True),
+    "vanilla": AttentionVariant(near=True, far=False, attend=_vanilla),
+    "dar": AttentionVariant(near=True, far=True, attend=_dar),
     # Seed 000's uniform reduction baseline: every token through the d_down bottleneck.
-    "uniform": AttentionVariant(near=False, far=True),
+    "uniform": AttentionVariant(near=False, far=True, attend=_uniform),
+    "swa": AttentionVariant(near=True, far=False, attend=_swa),
+    "dilated": AttentionVariant(near=True, far=False, attend=_dilated),
 }

@@ -2,16 +2,26 @@
 
 from transformers import PretrainedConfig
 
-from .attention import ATTENTION_VARIANTS
+from .attention import ATTENTION_VARIANTS, KERNELS
+
+BOTTLENECK_ACTIVATIONS = {"linear", "sigmoid"}
 
 
 class DimAttnConfig(PretrainedConfig):
     """Pythia hyperparameters plus the attention variant of seeds 000 and 001.
 
-    attention: a key of ``ATTENTION_VARIANTS`` ("vanilla", "dar", "uniform").
-    window: w of seed 000, the number of recent positions (distance i - j < w) that keep
-        full-dimensional keys and values. Ignored by "vanilla" and "uniform".
+    attention: a key of ``ATTENTION_VARIANTS``: "vanilla", "dar", "uniform", "swa", "dilated".
+    window: the number of recent positions (distance i - j < window, the token itself included)
+        that DAR keeps full-dimensional and that SWA and dilated attention see. Seed 001's
+        ``window_size=W`` keeps W + 1 tokens, so it is ``window=W + 1`` here.
     d_down: bottleneck width of W_down (d x d_down) and W_up (d_down x d) for distant tokens.
+    bottleneck_activation: "linear" (seed 000's choice) or "sigmoid", applied after W_down.
+    dilation: r of dilated attention: beyond the window, keys at positions 0, r, 2r, ...
+    full_attention_every: N turns every N-th layer (layers N-1, 2N-1, ...) into full vanilla
+        attention: seed 001's "Combined Sliding + Full" with attention="swa".
+    attention_layers: the layers that use ``attention``; the others are vanilla (for example
+        DAR on a chosen subset of layers). None: every layer.
+    attention_kernel: "auto", "dense", "blocked" or "flex" (see ``dimattn.attention``).
     """
 
     model_type = "dimattn"
@@ -33,6 +43,11 @@ class DimAttnConfig(PretrainedConfig):
         attention: str = "vanilla",
         window: int = 128,
         d_down: int | None = None,
+        bottleneck_activation: str = "linear",
+        dilation: int = 4,
+        full_attention_every: int | None = None,
+        attention_layers: list[int] | None = None,
+        attention_kernel: str = "auto",
         bos_token_id: int | None = 0,
         eos_token_id: int | None = 0,
         pad_token_id: int | None = None,
@@ -54,6 +69,11 @@ class DimAttnConfig(PretrainedConfig):
         self.attention = attention
         self.window = window
         self.d_down = d_down
+        self.bottleneck_activation = bottleneck_activation
+        self.dilation = dilation
+        self.full_attention_every = full_attention_every
+        self.attention_layers = list(attention_layers) if attention_layers is not None else None
+        self.attention_kernel = attention_kernel
         super().__init__(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
@@ -67,9 +87,19 @@ class DimAttnConfig(PretrainedConfig):
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    def layer_attention(self, layer_idx: int) -> str:
+        """The variant layer ``layer_idx`` runs: ``attention`` unless the layer pattern makes it
+        a full-attention layer."""
+        if self.attention_layers is not None and layer_idx not in self.attention_layers:
+            return "vanilla"
+        every = self.full_attention_every
+        if every and (layer_idx + 1) % every == 0:
+            return "vanilla"
+        return self.attention
+
     @property
     def uses_bottleneck(self) -> bool:
-        return ATTENTION_VARIANTS[self.attention].far
+        return any(ATTENTION_VARIANTS[self.layer_attention(i)].far for i in range(self.num_hidden_layers))
 
     def validate_dimattn(self) -> None:
         if self.attention not in ATTENTION_VARIANTS:
@@ -80,8 +110,26 @@ class DimAttnConfig(PretrainedConfig):
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
             )
-        if self.window < 0:
-            raise ValueError(f"window must be >= 0, got {self.window}")
+        minimum = 1 if self.attention in ("swa", "dilated") else 0
+        if self.window < minimum:
+            raise ValueError(f"window must be >= {minimum} for attention={self.attention!r}, got {self.window}")
+        if self.bottleneck_activation not in BOTTLENECK_ACTIVATIONS:
+            raise ValueError(
+                f"bottleneck_activation={self.bottleneck_activation!r}; choose one of {sorted(BOTTLENECK_ACTIVATIONS)}"
+            )
+        if self.dilation < 1:
+            raise ValueError(f"dilation must be >= 1, got {self.dilation}")
+        if self.full_attention_every is not None and self.full_attention_every < 1:
+            raise ValueError(f"full_attention_every must be >= 1, got {self.full_attention_every}")
+        if self.attention_layers is not None:
+            bad = [i for i in self.attention_layers if not 0 <= i < self.num_hidden_layers]
+            if bad or len(set(self.attention_layers)) != len(self.attention_layers):
+                raise ValueError(
+                    f"attention_layers={self.attention_layers} must be distinct layer indices in "
+                    f"[0, {self.num_hidden_layers})"
+                )
+        if self.attention_kernel not in KERNELS:
+            raise ValueError(f"attention_kernel={self.attention_kernel!r}; choose one of {KERNELS}")
         if self.uses_bottleneck:
             if self.d_down is None or not 0 < self.d_down <= self.hidden_size:
                 raise ValueError(

@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention import ATTENTION_VARIANTS
+from .attention import ATTENTION_VARIANTS, latent_dar_attention
 from .configuration_dimattn import DimAttnConfig
 
 # Attention implementations that mean "use our own kernels"; any other registered name (for
@@ -54,15 +54,81 @@ def apply_rotary(x, cos, sin):
 
 
 class Bottleneck(nn.Module):
-    """h' = (h W_down) W_up, seed 000 Eq. 1-2: d -> d_down -> d, no bias."""
+    """h' = a(h W_down) W_up, seed 000 Eq. 1-2: d -> d_down -> d, no bias; a is the identity
+    (the paper's choice) or the sigmoid it also tried. ``encode`` gives the d_down latent that
+    the DAR cache stores for distant tokens."""
 
     def __init__(self, config: DimAttnConfig):
         super().__init__()
         self.down = nn.Linear(config.hidden_size, config.d_down, bias=False)
         self.up = nn.Linear(config.d_down, config.hidden_size, bias=False)
+        self.sigmoid = config.bottleneck_activation == "sigmoid"
+
+    def encode(self, h):
+        z = self.down(h)
+        return torch.sigmoid(z) if self.sigmoid else z
 
     def forward(self, h):
-        return self.up(self.down(h))
+        return self.up(self.encode(h))
+
+
+class LatentLayer:
+    """One DAR or uniform layer of DimAttnCache: full keys/values of the last window - 1 slots
+    (the next query adds its own) and the d_down latent of every slot."""
+
+    def __init__(self):
+        self.near_k = self.near_v = self.latent = None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.near_k, self.near_v, self.latent) if t is not None)
+
+
+class DimAttnCache(DynamicCache):
+    """Generation cache of seed 000's inference story: for DAR layers it keeps full K/V only
+    for the last w tokens and the d_down latent for older ones; their far keys/values are
+    rebuilt from the latent at each step (memory traded for compute, as in MLA). Other
+    layers keep DynamicCache's full K/V. ``positions`` holds each slot's rotary position,
+    which the rebuilt far keys need."""
+
+    def __init__(self, config: DimAttnConfig):
+        super().__init__()
+        self.latent_layers = {
+            i: LatentLayer() for i in range(config.num_hidden_layers)
+            if ATTENTION_VARIANTS[config.layer_attention(i)].far
+        }
+        self.positions = None  # (B, slots) int32
+        self.num_slots = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.num_slots
+
+    def nbytes(self) -> int:
+        full = sum(
+            t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values)
+            if isinstance(t, torch.Tensor)
+        )
+        latent = sum(layer.nbytes() for layer in self.latent_layers.values())
+        return full + latent + (self.positions.numel() * self.positions.element_size() if self.positions is not None else 0)
+
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        for layer in self.latent_layers.values():
+            for name in ("near_k", "near_v", "latent"):
+                t = getattr(layer, name)
+                if t is not None:
+                    setattr(layer, name, t.index_select(0, beam_idx.to(t.device)))
+        self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+
+    def crop(self, max_length):
+        raise NotImplementedError("DimAttnCache cannot be cropped (assisted decoding is not supported)")
+
+
+def kv_cache_nbytes(cache) -> int:
+    """Bytes held by a DimAttnCache or a plain DynamicCache."""
+    if isinstance(cache, DimAttnCache):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if isinstance(t, torch.Tensor))
 
 
 class CausalSelfAttention(nn.Module):
@@ -72,7 +138,8 @@ class CausalSelfAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.variant = ATTENTION_VARIANTS[config.attention]
+        self.variant_name = config.layer_attention(layer_idx)
+        self.variant = ATTENTION_VARIANTS[self.variant_name]
         # Attributes transformers' attention functions read (used by the DimPO capture).
         self.is_causal = True
         self.num_key_value_groups = 1
@@ -94,10 +161,13 @@ class CausalSelfAttention(nn.Module):
         b = self.query_key_value.bias.view(self.num_heads, 3, self.head_dim)[:, 1:]
         return self._split_heads(F.linear(h_far, w.reshape(-1, d), b.reshape(-1)), 2)
 
-    def forward(self, h, cos, sin, key_padding_mask=None, cache: Cache | None = None):
+    def forward(self, h, cos, sin, key_padding_mask=None, cache: Cache | None = None, rope_all=None):
         b, t, _ = h.shape
         q, k, v = self._split_heads(self.query_key_value(h), 3)  # (B, H, T, hs)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if isinstance(cache, DimAttnCache) and self.layer_idx in cache.latent_layers:
+            out = self._attend_from_latents(q, k, v, h, cache, rope_all, key_padding_mask)
+            return self.dense(out.transpose(1, 2).reshape(b, t, -1))
         near_kv = far_kv = None
         if self.variant.near:
             near_kv = (k, v)
@@ -117,16 +187,38 @@ class CausalSelfAttention(nn.Module):
 
         implementation = getattr(self.config, "_attn_implementation", None)
         if implementation not in NATIVE_IMPLEMENTATIONS:
-            if self.variant.far:
-                raise ValueError(f"attention implementation {implementation!r} supports only vanilla models")
+            if self.variant_name != "vanilla":
+                raise ValueError(f"attention implementation {implementation!r} supports only vanilla layers")
             attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None)
             out, _ = attention_fn(self, q, *near_kv, None, scaling=self.scaling, dropout=0.0)
         else:
             out = self.variant(
-                q, near_kv, far_kv, window=self.config.window, key_padding_mask=key_padding_mask
+                q, near_kv, far_kv, window=self.config.window, dilation=self.config.dilation,
+                key_padding_mask=key_padding_mask, kernel=self.config.attention_kernel,
             ).transpose(1, 2)
         return self.dense(out.reshape(b, t, -1))  # (B, T, H, hs) -> (B, T, d)
 
+    def _attend_from_latents(self, q, k, v, h, cache, rope_all, key_padding_mask):
+        """DAR / uniform attention against DimAttnCache: far keys and values rebuilt from the
+        latents of every slot, near ones read from the last window - 1 slots."""
+        state, t = cache.latent_layers[self.layer_idx], q.shape[-2]
+        z = self.bottleneck.encode(h)
+        state.latent = z if state.latent is None else torch.cat([state.latent, z], dim=1)
+        slots = state.latent.shape[1]
+        k_far, v_far = self._key_value(self.bottleneck.up(state.latent))
+        k_far = apply_rotary(k_far, *rope_all)
+        window = self.config.window if self.variant.near else 0
+        if window:
+            near_k = k if state.near_k is None else torch.cat([state.near_k, k], dim=-2)
+            near_v = v if state.near_v is None else torch.cat([state.near_v, v], dim=-2)
+            keep = max(0, near_k.shape[-2] - (window - 1))  # the next query needs w - 1 besides itself
+            state.near_k, state.near_v = near_k[..., keep:, :], near_v[..., keep:, :]
+        else:
+            near_k = near_v = k[..., :0, :]
+        return latent_dar_attention(
+            q, near_k, near_v, k_far, v_far, window, q_start=slots - t, near_start=slots - near_k.shape[-2],
+            key_padding_mask=key_padding_mask,
+        )
 
 class MLP(nn.Module):
     def __init__(self, config: DimAttnConfig):
@@ -147,8 +239,8 @@ class Block(nn.Module):
         self.attention = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, key_padding_mask=None, cache=None):
-        a = self.attention(self.input_layernorm(x), cos, sin, key_padding_mask, cache)
+    def forward(self, x, cos, sin, key_padding_mask=None, cache=None, rope_all=None):
+        a = self.attention(self.input_layernorm(x), cos, sin, key_padding_mask, cache, rope_all)
         if self.use_parallel_residual:  # Pythia: x + attn(ln1(x)) + mlp(ln2(x))
             return x + a + self.mlp(self.post_attention_layernorm(x))
         x = x + a
@@ -202,9 +294,18 @@ class DimAttnModel(DimAttnPreTrainedModel):
             else:
                 position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
         cos, sin = self.rotary(position_ids)
+        rope_all = None
+        if isinstance(cache, DimAttnCache):  # far keys of every slot are rebuilt at their positions
+            positions = position_ids.to(torch.int32)
+            if cache.positions is not None:
+                positions = torch.cat([cache.positions, positions], dim=1)
+            cache.positions = positions
+            rope_all = self.rotary(positions)
         x = self.embed_in(input_ids)  # (B, T, d)
         for block in self.layers:
-            x = block(x, cos, sin, key_padding_mask, cache)
+            x = block(x, cos, sin, key_padding_mask, cache, rope_all)
+        if isinstance(cache, DimAttnCache):
+            cache.num_slots += t
         return self.final_layer_norm(x)
 
 
@@ -234,8 +335,10 @@ class DimAttnForCausalLM(DimAttnPreTrainedModel, GenerationMixin):
         **kwargs,
     ):
         cache = cache if cache is not None else past_key_values
+        if self.config.uses_bottleneck and type(cache) is DynamicCache and cache.get_seq_length() == 0:
+            cache = None  # generate() hands every model an empty DynamicCache; DAR keeps its own
         if use_cache and cache is None:
-            cache = DynamicCache()
+            cache = DimAttnCache(self.config) if self.config.uses_bottleneck else DynamicCache()
         hidden = self.gpt_neox(input_ids, attention_mask, position_ids, cache if use_cache is not False else None)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]

@@ -1,11 +1,20 @@
-"""DAR attention against a naive per-query loop written from seed 000, Eq. 3-4."""
+"""Every attention pattern against a naive per-query loop written from the papers' definitions:
+DAR (seed 000, Eq. 3-4), sliding-window and dilated attention (seed 001); each kernel
+(dense, blocked with its hand-written backward, flex forward) against those loops."""
 
 import math
 
 import pytest
 import torch
 
-from dimattn.attention import ATTENTION_VARIANTS, causal_attention, dar_attention
+from dimattn.attention import (
+    ATTENTION_VARIANTS,
+    causal_attention,
+    dar_attention,
+    dilated_attention,
+    latent_dar_attention,
+    sliding_window_attention,
+)
 
 
 
@@ -37,6 +46,27 @@ def naive_dar(q, k_near, v_near, k_far, v_far, window):
 
 def naive_causal(q, k, v):
     return naive_dar(q, k, v, k, v, window=0)
+
+
+def naive_pattern(q, k, v, keep):
+    """o_i = softmax over the keys j <= i with keep(i, j), of q_i k_j / sqrt(d), times V."""
+    B, H, T, D = q.shape
+    out = torch.zeros_like(q)
+    for i in range(T):
+        js = [j for j in range(i + 1) if keep(i, j)]
+        weights = torch.softmax(q[:, :, i, None] @ k[:, :, js].transpose(-1, -2) / math.sqrt(D), dim=-1)
+        out[:, :, i] = (weights @ v[:, :, js])[:, :, 0]
+    return out
+
+
+def naive_swa(q, k, v, window):
+    """Seed 001: position i attends to i - W .. i for window_size W, i.e. i - j < window = W + 1."""
+    return naive_pattern(q, k, v, lambda i, j: i - j < window)
+
+
+def naive_dilated(q, k, v, window, dilation):
+    """Seed 001: the window, plus every r-th token beyond it ("[0, 4, 8, 12, 16, ...]")."""
+    return naive_pattern(q, k, v, lambda i, j: i - j < window or j % dilation == 0)
 
 
 def random_qkv(B=2, H=3, T=9, D=4, seed=0):
@@ -106,3 +136,122 @@ def test_negative_window_rejected():
     q, kn, vn, kf, vf = random_qkv()
     with pytest.raises(ValueError, match="window"):
         dar_attention(q, kn, vn, kf, vf, -1)
+
+
+# --- sliding window, dilated, and the kernels ------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 9, 30])
+def test_sliding_window_matches_naive_loop(window):
+    q, k, v, _, _ = random_qkv(T=11)
+    torch.testing.assert_close(sliding_window_attention(q, k, v, window), naive_swa(q, k, v, window))
+
+
+def test_seed001_window_size_keeps_w_plus_one_tokens():
+    """The seed's example: window_size=4 at position 20 attends to 16..20, five tokens."""
+    q, k, v, _, _ = random_qkv(B=1, H=1, T=20)
+    v = torch.zeros_like(v)
+    v[:, :, 15] = 1.0  # only 1-based position 16 (index 15), the oldest token the seed keeps, has a value
+    out = sliding_window_attention(q, k, v, window=4 + 1)
+    assert out[0, 0, 19].abs().sum() > 0  # position 16 is seen from position 20 ...
+    assert sliding_window_attention(q, k, v, window=4)[0, 0, 19].abs().sum() == 0  # ... not with one fewer
+
+
+@pytest.mark.parametrize("window,dilation", [(1, 1), (1, 4), (3, 2), (4, 4), (20, 3)])
+def test_dilated_matches_naive_loop(window, dilation):
+    q, k, v, _, _ = random_qkv(T=13)
+    torch.testing.assert_close(dilated_attention(q, k, v, window, dilation), naive_dilated(q, k, v, window, dilation))
+
+
+def test_dilation_one_is_full_causal():
+    q, k, v, _, _ = random_qkv()
+    torch.testing.assert_close(dilated_attention(q, k, v, 3, 1), naive_causal(q, k, v))
+
+
+PATTERNS = {
+    "dar": (lambda ts, w, kernel: dar_attention(*ts, w, kernel=kernel),
+            lambda ts, w: naive_dar(*ts, w), 0),
+    "swa": (lambda ts, w, kernel: sliding_window_attention(*ts[:3], w, kernel=kernel),
+            lambda ts, w: naive_swa(*ts[:3], w), 1),
+    "dilated": (lambda ts, w, kernel: dilated_attention(*ts[:3], w, 3, kernel=kernel),
+                lambda ts, w: naive_dilated(*ts[:3], w, 3), 1),
+}
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("T,window", [(1, 1), (9, 1), (9, 4), (40, 16), (70, 20), (70, 100), (90, 0)])
+def test_blocked_kernel_forward_and_backward_match_naive(pattern, T, window):
+    """The LSE-merged paths and their hand-written backward against autograd through the loop.
+    T = 40, 70 with window 16, 20 span several blocks and a padded last block."""
+    fn, naive, minimum = PATTERNS[pattern]
+    if window < minimum:
+        pytest.skip("window below the pattern's minimum")
+    ts = [t.requires_grad_(True) for t in random_qkv(B=2, H=2, T=T, D=4)]
+    out = fn(ts, window, "blocked")
+    ref = naive(ts, window)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, ts, grad, allow_unused=True)
+    want = torch.autograd.grad(ref, ts, grad, allow_unused=True)
+    for g, w in zip(got, want):
+        if w is None:  # an input this pattern does not read
+            assert g is None or (g == 0).all()
+        else:
+            torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_kernel_in_fused_cpu_dtypes(dtype):
+    """float32 and bf16 take PyTorch's fused CPU flash kernel for the far path."""
+    ts = [t.to(dtype).requires_grad_(True) for t in random_qkv(T=150, D=8)]
+    out = dar_attention(*ts, 16, kernel="blocked")
+    ref = dar_attention(*ts, 16, kernel="dense")
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref, **tol)
+    grad = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, ts, grad), torch.autograd.grad(ref, ts, grad)):
+        torch.testing.assert_close(g, w, **tol)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("T,window", [(9, 1), (40, 16), (150, 20)])
+def test_flex_kernel_forward_matches_naive(pattern, T, window):
+    """FlexAttention's block masks (CUDA's kernel); forward only, as on CPU it has no backward."""
+    fn, naive, _ = PATTERNS[pattern]
+    ts = random_qkv(B=1, H=2, T=T, D=8)
+    torch.testing.assert_close(fn(ts, window, "flex"), naive(ts, window))
+
+
+def test_auto_kernel_falls_back_to_dense_with_a_cache_offset():
+    q, kn, vn, kf, vf = random_qkv(T=10)
+    with pytest.raises(ValueError, match="dense"):
+        dar_attention(q[:, :, -2:], kn, vn, kf, vf, 3, kernel="blocked")
+    torch.testing.assert_close(dar_attention(q[:, :, -2:], kn, vn, kf, vf, 3), naive_dar(q, kn, vn, kf, vf, 3)[:, :, -2:])
+
+
+@pytest.mark.parametrize("window", [0, 1, 3, 6])
+def test_latent_cache_attention_matches_full(window):
+    """The DAR cache sees only the last window - 1 near slots before the queries: same result."""
+    q, kn, vn, kf, vf = random_qkv(T=12)
+    tq = 2
+    near_start = max(0, 12 - tq - (window - 1)) if window else 12
+    out = latent_dar_attention(q[:, :, -tq:], kn[:, :, near_start:], vn[:, :, near_start:], kf, vf, window,
+                               q_start=12 - tq, near_start=near_start)
+    torch.testing.assert_close(out, naive_dar(q, kn, vn, kf, vf, window)[:, :, -tq:])
+
+
+@pytest.mark.parametrize("name", ["swa", "dilated"])
+def test_window_zero_rejected_where_no_key_would_remain(name):
+    q, k, v, _, _ = random_qkv()
+    fn = PATTERNS[name][0]
+    with pytest.raises(ValueError, match="window"):
+        fn([q, k, v], 0, "auto")
+
+
+def test_registry_variants_match_public_functions():
+    q, kn, vn, kf, vf = random_qkv(T=12)
+    reg = ATTENTION_VARIANTS
+    torch.testing.assert_close(reg["swa"](q, (kn, vn), None, window=4), naive_swa(q, kn, vn, 4))
+    torch.testing.assert_close(reg["dilated"](q, (kn, vn), None, window=2, dilation=3), naive_dilated(q, kn, vn, 2, 3))
+    torch.testing.assert_close(reg["dar"](q, (kn, vn), (kf, vf), window=4), naive_dar(q, kn, vn, kf, vf, 4))
