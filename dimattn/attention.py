@@ -103,26 +103,36 @@ def _masked_backward(q, k, v, mask, scale, d_out, out, lse):
     return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ d_out
 
 
+def _fused_cpu(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
 class Band:
     """Keys 0 <= i - j < window, block by block: a block of b queries sees its own block and the
-    m - 1 blocks before it (m b >= window - 1 + b keys), so the scores cost about
-    T * (window + b), never T^2. Blocks of b ~ window / 4 keep the wasted share near 20%."""
+    m - 1 blocks before it (L = m b >= window - 1 + b keys), so the scores cost T * L, never
+    T^2; blocks of b ~ window / 2 (at most 64) trade some wasted scores for larger matmuls. The key spans are strided
+    views (``unfold``) of the padded keys, never copies; gradients of the spans are added back
+    chunk by chunk for the same reason."""
 
     def __init__(self, window: int):
         self.window = window
 
+    block = None  # queries per block; None: about window / 2
+
     def _geometry(self, t: int):
-        b = min(64, max(16, self.window // 4))
+        b = self.block or min(64, max(16, self.window // 2))
         m = -(-(self.window - 1) // b) + 1  # key blocks per query block
         return b, m, -(-t // b)
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
-    def _mask(window, b, m, nb, device):
+    def _bias(window, b, m, nb, device, dtype):
+        """0 where a key is live, -inf elsewhere: adding it is far cheaper than masked_fill."""
         n = torch.arange(nb, device=device)[:, None, None]
         i = n * b + torch.arange(b, device=device)[:, None]  # absolute query position
         j = (n - m + 1) * b + torch.arange(m * b, device=device)  # absolute key position
-        return (j >= 0) & (i - j >= 0) & (i - j < window)  # (nb, b, m b)
+        live = (j >= 0) & (i - j >= 0) & (i - j < window)  # (nb, b, m b)
+        return torch.zeros(live.shape, device=device, dtype=dtype).masked_fill_(~live, NEG_INF)
 
     @staticmethod
     def _blocks(x, b, nb):  # (B, H, T, D) -> (B, H, nb, b, D), zero-padded at the end
@@ -130,45 +140,98 @@ class Band:
         return (F.pad(x, (0, 0, 0, pad)) if pad else x).unflatten(-2, (nb, b))
 
     @staticmethod
-    def _spans(x, m):  # (B, H, nb, b, D) -> (B, H, nb, m b, D): key blocks n - m + 1 .. n
-        if m == 1:
-            return x
-        nb = x.shape[-3]
-        padded = F.pad(x, (0, 0, 0, 0, m - 1, 0))
-        return torch.cat([padded[..., c : c + nb, :, :] for c in range(m)], dim=-2)
+    def _padded(x, b, m, nb):  # m - 1 zero blocks in front, padding at the end
+        return F.pad(x, (0, 0, (m - 1) * b, nb * b - x.shape[-2]))
 
     @staticmethod
-    def _overlap_add(g, m, t):  # the inverse of _spans for gradients, back to (B, H, T, D)
-        *lead, nb, mb, d = g.shape
-        g = g.view(*lead, nb, m, mb // m, d)
-        total = g[..., m - 1, :, :].clone()
-        for c in range(m - 1):  # chunk c of block n belongs to block n - m + 1 + c
-            shift = m - 1 - c
-            if shift < nb:
-                total[..., : nb - shift, :, :] += g[..., shift:, c, :, :]
-        return total.flatten(-3, -2)[..., :t, :]
+    def _spans_t(x_padded, b, m):  # (B, H, nb, D, m b): key spans, transposed, as a view
+        return x_padded.unfold(-2, m * b, b)
+
+    def _probabilities(self, qb, kp, b, m, nb, lse=None):
+        s = qb @ self._spans_t(kp, b, m)
+        s.add_(self._bias(self.window, b, m, nb, qb.device, s.dtype))
+        if lse is not None:  # backward: the merged softmax's probabilities
+            return s.sub_(torch.where(torch.isinf(lse), 0.0, lse)[..., None]).exp_(), None
+        mx = s.amax(dim=-1, keepdim=True)
+        mx = torch.where(torch.isinf(mx), 0.0, mx)
+        return s.sub_(mx).exp_(), mx
+
+    # On CPU the blocks go through PyTorch's fused flash kernel: queries of block n become a
+    # "head" of their own against a copy of their key span, under an additive block mask.
+
+    def _span_heads(self, x, b, m, nb):  # (B, H, T, D) -> (B, H nb, m b, D), copied
+        return self._spans_t(self._padded(x, b, m, nb), b, m).transpose(-1, -2).flatten(1, 2)
+
+    def _head_bias(self, b, m, nb, heads, x):
+        return self._bias(self.window, b, m, nb, x.device, torch.promote_types(x.dtype, torch.float32)).to(
+            x.dtype).repeat(heads, 1, 1)[None]
+
+    def _unblock(self, x, heads, t):  # (B, H nb, b, ...) -> (B, H, T, ...)
+        x = x.unflatten(1, (heads, -1))
+        return x.flatten(2, 3)[:, :, :t] if x.dim() == 4 else x.flatten(2, 3)[:, :, :t, :]
+
+    def _fold_spans(self, g, b, m, nb, t):  # gradient of the span copies, back onto the keys
+        g = g.unflatten(1, (-1, nb)).unflatten(-2, (m, b))  # (B, H, nb, m, b, D)
+        total = g.new_zeros(*g.shape[:2], nb + m - 1, b, g.shape[-1])
+        for c in range(m):  # chunk c of query block n's span is padded key block n + c
+            total[:, :, c : c + nb] += g[:, :, :, c]
+        return total.flatten(-3, -2)[..., (m - 1) * b : (m - 1) * b + t, :]
+
+    def _flash_forward(self, q, k, v, scale):
+        t, heads = q.shape[-2], q.shape[1]
+        b, m, nb = self._geometry(t)
+        qb = self._blocks(q, b, nb).flatten(1, 2)
+        ks, vs = self._span_heads(k, b, m, nb), self._span_heads(v, b, m, nb)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qb, ks, vs, 0.0, False, attn_mask=self._head_bias(b, m, nb, heads, q), scale=scale
+        )
+        return self._unblock(out, heads, t), self._unblock(lse, heads, t)
+
+    def _flash_backward(self, q, k, v, scale, d_out, out, lse):
+        t, heads = q.shape[-2], q.shape[1]
+        b, m, nb = self._geometry(t)
+        qb, dob, ob = (self._blocks(x, b, nb).flatten(1, 2).contiguous() for x in (q, d_out, out.to(q.dtype)))
+        lseb = F.pad(lse, (0, nb * b - t)).unflatten(-1, (nb, b)).flatten(1, 2).contiguous()
+        ks, vs = self._span_heads(k, b, m, nb), self._span_heads(v, b, m, nb)
+        dq, dks, dvs = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dob, qb, ks, vs, ob, lseb, 0.0, False, attn_mask=self._head_bias(b, m, nb, heads, q), scale=scale
+        )
+        return self._unblock(dq, heads, t), self._fold_spans(dks, b, m, nb, t), self._fold_spans(dvs, b, m, nb, t)
 
     def forward(self, q, k, v, scale):
+        if _fused_cpu(q):
+            return self._flash_forward(q, k, v, scale)
         t = q.shape[-2]
         b, m, nb = self._geometry(t)
-        kb, vb = (self._spans(self._blocks(x, b, nb), m) for x in (k, v))
-        mask = self._mask(self.window, b, m, nb, q.device)
-        out, lse = _masked_forward(self._blocks(q, b, nb), kb, vb, mask, scale)
+        q, k, v = _wide(q, k, v)
+        qb = self._blocks(q * scale, b, nb)
+        p, mx = self._probabilities(qb, self._padded(k, b, m, nb), b, m, nb)
+        total = p.sum(dim=-1, keepdim=True)
+        out = (p @ self._spans_t(self._padded(v, b, m, nb), b, m).transpose(-1, -2))
+        out = out / torch.where(total == 0, 1.0, total)
+        lse = (mx + total.log()).squeeze(-1)
         return out.flatten(-3, -2)[..., :t, :], lse.flatten(-2)[..., :t]
 
     def backward(self, q, k, v, scale, d_out, out, lse):
+        if _fused_cpu(q):
+            return self._flash_backward(q, k, v, scale, d_out, out, lse)
         t = q.shape[-2]
         b, m, nb = self._geometry(t)
-        qb, dob, ob = (self._blocks(x, b, nb) for x in (q, d_out, out))
+        q, k, v, d_out, out = _wide(q, k, v, d_out, out)
+        qb = self._blocks(q * scale, b, nb)
+        dob, ob = self._blocks(d_out, b, nb), self._blocks(out, b, nb)
         lseb = F.pad(lse, (0, nb * b - t)).unflatten(-1, (nb, b))
-        kb, vb = (self._spans(self._blocks(x, b, nb), m) for x in (k, v))
-        mask = self._mask(self.window, b, m, nb, q.device)
-        dq, dk, dv = _masked_backward(qb, kb, vb, mask, scale, dob, ob, lseb)
-        return dq.flatten(-3, -2)[..., :t, :], self._overlap_add(dk, m, t), self._overlap_add(dv, m, t)
-
-
-def _fused_cpu(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64, torch.bfloat16)
+        kp, vp = self._padded(k, b, m, nb), self._padded(v, b, m, nb)
+        p, _ = self._probabilities(qb, kp, b, m, nb, lseb)
+        ds = (dob @ self._spans_t(vp, b, m)).sub_((dob * ob).sum(-1, keepdim=True)).mul_(p)
+        dq = (ds @ self._spans_t(kp, b, m).transpose(-1, -2)) * scale
+        dk, dv = torch.zeros_like(kp).unflatten(-2, (nb + m - 1, b)), torch.zeros_like(vp).unflatten(-2, (nb + m - 1, b))
+        for c in range(m):  # chunk c of query block n's span is key block n + c (padded index)
+            chunk = slice(c * b, (c + 1) * b)
+            dk[..., c : c + nb, :, :] += ds[..., chunk].transpose(-1, -2) @ qb
+            dv[..., c : c + nb, :, :] += p[..., chunk].transpose(-1, -2) @ dob
+        trim = lambda g: g.flatten(-3, -2)[..., (m - 1) * b : (m - 1) * b + t, :]  # noqa: E731
+        return dq.flatten(-3, -2)[..., :t, :], trim(dk), trim(dv)
 
 
 class ShiftedCausal:

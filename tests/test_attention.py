@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from dimattn import attention
 from dimattn.attention import (
     ATTENTION_VARIANTS,
     causal_attention,
@@ -178,11 +179,15 @@ PATTERNS = {
 }
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["flash-paths", "math-paths"])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("T,window", [(1, 1), (9, 1), (9, 4), (40, 16), (70, 20), (70, 100), (90, 0)])
-def test_blocked_kernel_forward_and_backward_match_naive(pattern, T, window):
+def test_blocked_kernel_forward_and_backward_match_naive(pattern, T, window, fused, monkeypatch):
     """The LSE-merged paths and their hand-written backward against autograd through the loop.
-    T = 40, 70 with window 16, 20 span several blocks and a padded last block."""
+    T = 40, 70 with window 16, 20 span several blocks and a padded last block. "math-paths"
+    takes the pure-PyTorch path kernels that serve where the fused CPU kernel does not."""
+    if not fused:
+        monkeypatch.setattr(attention, "_fused_cpu", lambda x: False)
     fn, naive, minimum = PATTERNS[pattern]
     if window < minimum:
         pytest.skip("window below the pattern's minimum")
