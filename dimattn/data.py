@@ -518,3 +518,15 @@ def load_tokens(bin_path) -> tuple[np.memmap, dict]:
             f"{meta['n_tokens']} {dtype.name} tokens = {expected} bytes"
         )
     return np.memmap(bin_path, dtype=dtype, mode="r", shape=(meta["n_tokens"],)), meta
+
+
+def load_loss_mask(bin_path, meta: dict) -> np.memmap | None:
+    """The uint8 training-target mask a corpus may name in its meta ("loss_mask"), or None:
+    1 where the token is a target of next-token prediction, 0 where it is context only."""
+    name = meta.get("loss_mask")
+    if name is None:
+        return None
+    path = Path(bin_path).parent / name
+    if not path.is_file() or path.stat().st_size != meta["n_tokens"]:
+        raise DataError(f"loss mask {path} is missing or not {meta['n_tokens']} bytes (named by {_meta_path(Path(bin_path))})")
+    return np.memmap(path, dtype=np.uint8, mode="r", shape=(meta["n_tokens"],))

@@ -62,6 +62,9 @@ class Bottleneck(nn.Module):
         super().__init__()
         self.down = nn.Linear(config.hidden_size, config.d_down, bias=False)
         self.up = nn.Linear(config.d_down, config.hidden_size, bias=False)
+        # Initialised as a pair by _init_weights (W_up = W_down^T); a plain attribute, not a submodule.
+        object.__setattr__(self.up, "transpose_of", self.down)
+        self.down.is_bottleneck_down = True
         self.sigmoid = config.bottleneck_activation == "sigmoid"
 
     def encode(self, h):
@@ -256,6 +259,17 @@ class DimAttnPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         std = self.config.initializer_range
+        # The bottleneck pair: W_down with orthonormal rows, W_up = W_down^T, so h' starts as the
+        # projection of h onto a d_down-dimensional subspace at h's own scale (d_down = d: h' = h,
+        # the no-bottleneck control starts as vanilla). Two normal(0.02) matrices would start far
+        # keys at ~1% of h's scale, from where they learn slowly.
+        if getattr(module, "is_bottleneck_down", False):
+            nn.init.orthogonal_(module.weight)
+            return
+        if isinstance(module, nn.Linear) and hasattr(module, "transpose_of"):
+            with torch.no_grad():
+                module.weight.copy_(module.transpose_of.weight.T)
+            return
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:

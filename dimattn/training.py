@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 
 from .atomic import atomic_dir, atomic_file
 from .configuration_dimattn import DimAttnConfig
-from .data import load_tokens
+from .data import load_loss_mask, load_tokens
 from .modeling_dimattn import DimAttnForCausalLM
 from .settings import from_mapping
 
@@ -248,8 +248,9 @@ def evaluate_loss(
     mine = procs.shard(batches).split(micro_batch_size)
     for x in mine:
         x = x.to(device)
+        x, labels = (x[:, 0], x[:, 1]) if x.dim() == 3 else (x, x)  # (tokens, targets) pairs
         with _autocast(device, precision):
-            total += model(x, labels=x).loss.double()
+            total += model(x, labels=labels).loss.double()
     model.train()
     return procs.mean(total / len(mine)).item()
 
@@ -321,12 +322,17 @@ def _remove_stale_temps(*dests: Path) -> None:
 # Training
 
 
-def _load_split(path: Path, name: str, seq_len: int) -> tuple[np.ndarray, int | None]:
+def _load_split(path: Path, name: str, seq_len: int) -> tuple[np.ndarray, int | None, np.ndarray | None]:
     tokens, meta = load_tokens(path)
     example_len = _example_len(meta, seq_len, name, len(tokens))
     if example_len is None and len(tokens) <= seq_len + 1:
         raise TrainingError(f"{name} split has {len(tokens)} tokens, fewer than seq_len={seq_len}")
-    return tokens, example_len
+    return tokens, example_len, load_loss_mask(path, meta)
+
+
+def labels_for(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Next-token targets: every token, or only those the corpus's loss mask marks."""
+    return x if mask is None else x.masked_fill(mask == 0, -100)
 
 
 def pretrain(
@@ -367,9 +373,12 @@ def _train(
     run = out_dir.name
     micro, accum = cfg.micro_batches(procs.world_size)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    train_tokens, train_example_len = _load_split(train_bin, "train", cfg.seq_len)
-    val_tokens, val_example_len = _load_split(val_bin, "validation", cfg.seq_len)
+    train_tokens, train_example_len, train_mask = _load_split(train_bin, "train", cfg.seq_len)
+    val_tokens, val_example_len, val_mask = _load_split(val_bin, "validation", cfg.seq_len)
     val_batches = fixed_windows(val_tokens, cfg.eval_batches * cfg.batch_size, cfg.seq_len, val_example_len)
+    if val_mask is not None:  # the targets ride along as labels
+        val_batches = torch.stack([val_batches, labels_for(
+            val_batches, fixed_windows(val_mask, cfg.eval_batches * cfg.batch_size, cfg.seq_len, val_example_len))], 1)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
     model = build_model(model_spec, tokenizer, cfg.seq_len).to(device)
@@ -414,13 +423,15 @@ def _train(
         starts = procs.shard(batch_starts(len(train_tokens), cfg, step, train_example_len))
         loss_sum = torch.zeros((), device=device)
         for m in range(accum):
-            x = windows(train_tokens, starts[m * micro : (m + 1) * micro], cfg.seq_len).to(device)
+            batch_starts_m = starts[m * micro : (m + 1) * micro]
+            x = windows(train_tokens, batch_starts_m, cfg.seq_len).to(device)
+            mask = windows(train_mask, batch_starts_m, cfg.seq_len).to(device) if train_mask is not None else None
             # Gradients are all-reduced once a step, on the last micro-batch's backward.
             last = m == accum - 1
             sync = forward.no_sync() if procs.distributed and not last else contextlib.nullcontext()
             with sync:
                 with _autocast(device, cfg.precision):
-                    loss = forward(x, labels=x).loss / accum
+                    loss = forward(x, labels=labels_for(x, mask)).loss / accum
                 loss.backward()
             loss_sum += loss.detach()
         train_loss = procs.mean(loss_sum).item()

@@ -32,6 +32,19 @@ def test_bottleneck_trained_only_through_far_keys():
     assert all(g is not None and g.abs().sum() > 0 for g in bottleneck_grads(tiny(window=4), T=16))
 
 
+def test_no_bottleneck_control_starts_as_vanilla():
+    """d_down = d: W_up W_down = I at initialisation, so the control differs from vanilla only
+    in what training makes of the bottleneck; a narrower one starts as a projection."""
+    dar = tiny(window=2, d_down=32)
+    vanilla = tiny(attention="vanilla", d_down=None)
+    vanilla.load_state_dict({k: v for k, v in dar.state_dict().items() if "bottleneck" not in k})
+    x = torch.randint(0, 97, (2, 20))
+    torch.testing.assert_close(dar(x).logits, vanilla(x).logits, atol=1e-5, rtol=1e-4)
+    narrow = tiny(d_down=8).gpt_neox.layers[0].attention.bottleneck
+    torch.testing.assert_close(narrow.down.weight @ narrow.down.weight.T, torch.eye(8), atol=1e-5, rtol=0)
+    torch.testing.assert_close(narrow.up.weight, narrow.down.weight.T)
+
+
 def test_dar_with_covering_window_equals_vanilla_with_same_weights():
     dar, vanilla = tiny(window=64), tiny(attention="vanilla", d_down=None)
     vanilla.load_state_dict({k: v for k, v in dar.state_dict().items() if "bottleneck" not in k})

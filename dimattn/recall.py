@@ -1,0 +1,430 @@
+"""Synthetic multi-query associative recall (MQAR, Zoology: Arora et al. 2023) at CPU scale.
+
+A probe of whether *distant* tokens need full dimensionality: key-value pairs come first,
+and each key is asked for again much later, further back than any attention window we sweep,
+so the model can only answer by reading the far (bottlenecked) keys and values.
+
+Vocabulary (token ids)::
+
+    0 <|endoftext|>   1 <|bos|>   2 <|pad|>   3 <|unk|>      same specials as dimattn.data
+    4 ...                      keys    k0 .. k{n_keys-1}
+    4 + n_keys ...             values  v0 .. v{n_values-1}
+    4 + n_keys + n_values ...  filler  f0 .. f{n_filler-1}  (noise)
+
+With ``fused_pairs`` each pair is a single token ``k{i}v{j}`` at position 1 + i (ids after
+the filler), so a query's key finds its answer in one attention hop: the probe then measures
+how well distant tokens keep key and value through the bottleneck, without the two-layer
+induction circuit that adjacent pairs need (which tiny models form too slowly for a CPU run).
+
+One example is exactly ``seq_len`` tokens (P = n_pairs, Q = n_queries, L = seq_len)::
+
+    position  0            <|bos|>
+              1 + 2i       key_i     i < P, P distinct keys drawn without replacement
+              2 + 2i       value_i   drawn with replacement
+              2P+1 .. L-2  filler, except Q queries: at position q the key of a pair (each
+                           pair asked at most once), at q + 1 its value (the target)
+              L - 1        <|endoftext|>
+
+Query positions q lie in [min_query_pos, L-3] and never overlap (q_{j+1} >= q_j + 2), so the
+distance from a query to its key, q - (1 + 2i), is at least min_query_pos - (2P - 1). The
+model trains on plain next-token loss over the whole sequence; only the prediction made *at* a
+query position (of the token at q + 1) is scored. Pair tokens and filler are unpredictable, so
+nothing but recall lowers the loss below the unigram level.
+
+Queries are recomputed from the tokens and the layout in the meta (any key id after the pair
+block is a query), and evaluation checks each target against its pair: a corrupted corpus is
+refused rather than scored. Splits use independent random streams of one seed
+(``SeedSequence([seed, split_index])``). The files are those of ``dimattn.data``: a flat
+uint16 memmap per split with a JSON sidecar, plus ``meta["example_len"] = seq_len`` so a trainer
+can cut windows at example boundaries, and a WordLevel tokenizer directory.
+"""
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from .atomic import atomic_dir, atomic_file
+from .data import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPLITS, DataError, load_tokens
+
+UNK_TOKEN, QUERY_TOKEN = "<|unk|>", "<|query|>"
+RECALL_SPECIALS = [EOS_TOKEN, BOS_TOKEN, PAD_TOKEN, UNK_TOKEN, QUERY_TOKEN]  # ids 0 .. 4
+EOS_ID, BOS_ID, PAD_ID, QUERY_ID = 0, 1, 2, 4
+SOURCE = "synthetic_recall"
+MAX_VOCAB = 1 << 16  # uint16 tokens
+
+
+@dataclass(frozen=True)
+class RecallSettings:
+    """Generator settings; every field is checked, and an error names the field."""
+
+    seq_len: int = 128  # tokens per example, bos and eos included
+    n_pairs: int = 8  # key-value pairs at the start of each example
+    n_keys: int = 64  # key vocabulary (>= n_pairs: keys in an example are distinct)
+    n_values: int = 64  # value vocabulary
+    n_filler: int = 16  # noise vocabulary for the positions between pairs and queries
+    min_query_pos: int = 64  # queries sit at positions >= this
+    n_queries: int | None = None  # queries per example; None: one per pair
+    sorted_keys: bool = False  # pair keys in increasing id order (see the module docstring)
+    query_marker: bool = False  # each query is key, <|query|>, value (see the module docstring)
+    fused_pairs: bool = False  # each pair is one token k{i}v{j}: recall in one attention hop
+    answer_loss: bool = True  # train on the answers only (meta "loss_mask"), as Zoology does
+    n_train: int = 20000  # examples per split
+    n_validation: int = 256
+    n_test: int = 512
+    seed: int = 0
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "n_queries" and value is None:
+                continue
+            if f.name in ("sorted_keys", "query_marker", "fused_pairs", "answer_loss"):
+                if type(value) is not bool:
+                    raise DataError(f"recall setting {f.name} must be true or false, got {value!r}")
+                continue
+            if type(value) is not int:
+                raise DataError(f"recall setting {f.name} must be an int, got {value!r}")
+        self._check("seed", self.seed >= 0, ">= 0")
+        for name in ("n_pairs", "n_keys", "n_values", "n_filler", "n_train", "n_validation", "n_test"):
+            self._check(name, getattr(self, name) >= 1, ">= 1")
+        self._check("n_keys", self.n_keys >= self.n_pairs, f">= n_pairs={self.n_pairs} (keys in an example are distinct)")
+        self._check("n_queries", 1 <= self.queries <= self.n_pairs, f"between 1 and n_pairs={self.n_pairs}")
+        self._check("n_keys + n_values + n_filler", self.vocab_size <= MAX_VOCAB, f"<= {MAX_VOCAB} (uint16 tokens): lower n_keys, n_values or n_filler")
+        pair_end = 1 + self.pair_stride * self.n_pairs  # first position after the pair block
+        self._check("min_query_pos", self.min_query_pos >= pair_end, f">= {pair_end}, the first position after bos and {self.n_pairs} pairs")
+        room = self.seq_len - 1 - self.min_query_pos  # positions min_query_pos .. seq_len - 2
+        self._check(
+            "seq_len",
+            room >= self.query_span * self.queries,
+            f">= min_query_pos + {self.query_span} * n_queries + 1 = "
+            f"{self.min_query_pos + self.query_span * self.queries + 1} (room for {self.queries} queries and eos)",
+        )
+
+    def _check(self, name, ok, need):
+        if not ok:
+            raise DataError(f"recall setting {name} must be {need}; settings: {self.describe()}")
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> "RecallSettings":
+        """From a config dataset entry: the fields above plus ``source: synthetic_recall``."""
+        if not isinstance(spec, dict):
+            raise DataError(f"recall dataset spec must be a mapping, got {type(spec).__name__}")
+        spec = dict(spec)
+        source = spec.pop("source", SOURCE)
+        if source != SOURCE:
+            raise DataError(f"recall dataset spec has source {source!r}, expected {SOURCE!r}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(spec) - set(known))
+        if unknown:
+            raise DataError(f"unknown recall settings {unknown}; known: {known}")
+        return cls(**spec)
+
+    @property
+    def queries(self) -> int:
+        return self.n_pairs if self.n_queries is None else self.n_queries
+
+    @property
+    def query_span(self) -> int:
+        """Tokens per query: key and value, with the marker between them if there is one."""
+        return 3 if self.query_marker else 2
+
+    @property
+    def key_start(self) -> int:
+        return len(RECALL_SPECIALS)
+
+    @property
+    def value_start(self) -> int:
+        return self.key_start + self.n_keys
+
+    @property
+    def filler_start(self) -> int:
+        return self.value_start + self.n_values
+
+    @property
+    def fused_start(self) -> int:
+        return self.filler_start + self.n_filler
+
+    @property
+    def pair_stride(self) -> int:
+        """Tokens a pair takes in the pair block: key and value, or one fused token."""
+        return 1 if self.fused_pairs else 2
+
+    @property
+    def vocab_size(self) -> int:
+        return self.fused_start + (self.n_keys * self.n_values if self.fused_pairs else 0)
+
+    @property
+    def min_distance(self) -> int:
+        """The shortest distance from a scored position to its pair's key: the last pair's key to
+        the first query slot."""
+        return self.min_query_pos + self.query_span - 2 - (self.pair_stride * (self.n_pairs - 1) + 1)
+
+    @property
+    def max_distance(self) -> int:
+        """The longest: the first pair's key (position 1) to the last scored position (L - 3)."""
+        return self.seq_len - 4
+
+    def n_examples(self, split: str) -> int:
+        return getattr(self, f"n_{split}")
+
+    def layout(self) -> dict:
+        """What the meta records so that queries can be found again from the tokens."""
+        return {
+            "seq_len": self.seq_len,
+            "n_pairs": self.n_pairs,
+            "n_queries": self.queries,
+            "min_query_pos": self.min_query_pos,
+            "query_marker": self.query_marker,
+            "query_id": QUERY_ID,
+            "key_ids": [self.key_start, self.value_start],
+            "value_ids": [self.value_start, self.filler_start],
+            "filler_ids": [self.filler_start, self.fused_start],
+            "fused_pairs": self.fused_pairs,
+            "fused_ids": [self.fused_start, self.vocab_size],
+            "min_distance": self.min_distance,
+        }
+
+
+def vocabulary(settings: RecallSettings) -> dict[str, int]:
+    names = list(RECALL_SPECIALS)
+    names += [f"k{i}" for i in range(settings.n_keys)]
+    names += [f"v{i}" for i in range(settings.n_values)]
+    names += [f"f{i}" for i in range(settings.n_filler)]
+    if settings.fused_pairs:
+        names += [f"k{i}v{j}" for i in range(settings.n_keys) for j in range(settings.n_values)]
+    return {name: i for i, name in enumerate(names)}
+
+
+def generate_examples(settings: RecallSettings, n: int, rng: np.random.Generator) -> np.ndarray:
+    """(n, seq_len) int64 examples in the layout of the module docstring."""
+    s, P, Q, L = settings, settings.n_pairs, settings.queries, settings.seq_len
+    x = np.empty((n, L), dtype=np.int64)
+    x[:, 0] = BOS_ID
+    x[:, -1] = EOS_ID
+    x[:, 1:-1] = s.filler_start + rng.integers(0, s.n_filler, size=(n, L - 2))
+    keys = np.argsort(rng.random((n, s.n_keys)), axis=1)[:, :P]  # distinct within an example
+    if s.sorted_keys:
+        keys = np.sort(keys, axis=1)
+    values = rng.integers(0, s.n_values, size=(n, P))
+    if s.fused_pairs:  # token k{key}v{value}: the query's key matches it in one hop
+        x[:, 1 : 1 + P] = s.fused_start + keys * s.n_values + values
+    else:
+        x[:, 1 : 1 + 2 * P : 2] = s.key_start + keys
+        x[:, 2 : 2 + 2 * P : 2] = s.value_start + values
+    # Q non-overlapping spans of S tokens in [min_query_pos, L-2]: sorted distinct offsets in
+    # [0, room - (S-1) Q), the j-th shifted by (S-1) j, so consecutive queries are >= S apart.
+    S, room = s.query_span, L - 1 - s.min_query_pos
+    offsets = np.sort(np.argsort(rng.random((n, room - (S - 1) * Q)), axis=1)[:, :Q], axis=1)
+    qpos = s.min_query_pos + offsets + (S - 1) * np.arange(Q)
+    asked = np.argsort(rng.random((n, P)), axis=1)[:, :Q]  # which pair each query asks for
+    rows = np.arange(n)[:, None]
+    x[rows, qpos] = s.key_start + np.take_along_axis(keys, asked, axis=1)
+    if s.query_marker:
+        x[rows, qpos + 1] = QUERY_ID
+    x[rows, qpos + S - 1] = s.value_start + np.take_along_axis(values, asked, axis=1)
+    return x
+
+
+def split_rng(seed: int, split: str) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed, SPLITS.index(split)]))
+
+
+def build_tokenizer(settings: RecallSettings):
+    """A WordLevel tokenizer over the vocabulary (whitespace separated names), eos/bos/pad set."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    word_level = Tokenizer(models.WordLevel(vocab=vocabulary(settings), unk_token=UNK_TOKEN))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    word_level.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=word_level,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        model_max_length=settings.seq_len,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def write_recall_corpus(settings: RecallSettings, out_dir) -> dict:
+    """Write out_dir/tokens/{train,validation,test}.{bin,json} and out_dir/tokenizer/.
+
+    out_dir is replaced as a whole (it appears complete or not at all). Returns the metas.
+    """
+    if not isinstance(settings, RecallSettings):
+        settings = RecallSettings.from_spec(settings)
+    out_dir, metas = Path(out_dir), {}
+    with atomic_dir(out_dir) as tmp:
+        (tmp / "tokens").mkdir()
+        for split in SPLITS:
+            n = settings.n_examples(split)
+            examples = generate_examples(settings, n, split_rng(settings.seed, split))
+            bin_path = tmp / "tokens" / f"{split}.bin"
+            examples.astype(np.uint16).tofile(bin_path)
+            mask_name = None
+            if settings.answer_loss:  # 1 where the token is an answer: the only training targets
+                queries = find_queries(examples, settings.layout())
+                mask = np.zeros(examples.shape, dtype=np.uint8)
+                mask[queries[:, 0], queries[:, 1] + 1] = 1
+                mask_name = f"{split}.targets.bin"
+                mask.tofile(tmp / "tokens" / mask_name)
+            metas[split] = {
+                "dtype": "uint16",
+                "n_tokens": int(examples.size),
+                "vocab_size": settings.vocab_size,
+                "eos_token_id": EOS_ID,
+                "bos_token_id": BOS_ID,
+                "pad_token_id": PAD_ID,
+                "source": SOURCE,
+                "split": split,
+                "example_len": settings.seq_len,
+                "n_examples": n,
+                **({"loss_mask": mask_name} if mask_name else {}),
+                "recall": settings.layout(),
+                "settings": asdict(settings),
+            }
+            bin_path.with_suffix(".json").write_text(json.dumps(metas[split], indent=2))
+        build_tokenizer(settings).save_pretrained(tmp / "tokenizer")
+    return metas
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring
+
+
+def load_examples(tokens_bin) -> tuple[np.ndarray, dict]:
+    """The (n_examples, example_len) token matrix and meta of a recall split, checked."""
+    tokens, meta = load_tokens(tokens_bin)
+    if meta.get("source") != SOURCE or "recall" not in meta:
+        raise DataError(f"{tokens_bin} is not a {SOURCE} corpus (its meta has no 'recall' layout)")
+    L, n = meta["example_len"], meta["n_examples"]
+    if n * L != len(tokens):
+        raise DataError(f"{tokens_bin}: {len(tokens)} tokens, but meta says {n} examples of {L}")
+    return np.asarray(tokens).reshape(n, L), meta
+
+
+def find_queries(examples: np.ndarray, layout: dict) -> np.ndarray:
+    """(n_queries, 4) int64 rows (example, scored position, pair key position, target id).
+
+    The model's output at the scored position (the query's key, or its marker) must be the
+    target, the token after it. Raises DataError when the examples do not follow the layout.
+    """
+    examples = np.asarray(examples, dtype=np.int64)
+    n, L = examples.shape
+    P, Q, start = layout["n_pairs"], layout["n_queries"], layout["min_query_pos"]
+    (k0, k1), (v0, v1) = layout["key_ids"], layout["value_ids"]
+    if L != layout["seq_len"]:
+        raise DataError(f"examples have length {L}, the layout says {layout['seq_len']}")
+    fused = layout.get("fused_pairs", False)
+    stride = 1 if fused else 2
+    if fused:  # back from k{i}v{j} to the key and value ids the queries use
+        f0, f1 = layout["fused_ids"]
+        n_values = v1 - v0
+        block = examples[:, 1 : 1 + P]
+        bad_fused = ~((block >= f0) & (block < f1)).all(1)
+        pair_keys, pair_values = k0 + (block - f0) // n_values, v0 + (block - f0) % n_values
+    else:
+        bad_fused = np.zeros(n, dtype=bool)
+        pair_keys, pair_values = examples[:, 1 : 1 + 2 * P : 2], examples[:, 2 : 2 + 2 * P : 2]
+    bad = ~((examples[:, 0] == BOS_ID) & (examples[:, -1] == EOS_ID)) | bad_fused
+    bad |= ~(((pair_keys >= k0) & (pair_keys < k1)).all(1) & ((pair_values >= v0) & (pair_values < v1)).all(1))
+    is_key = (examples >= k0) & (examples < k1)
+    is_key[:, : 1 + stride * P] = False
+    bad |= is_key[:, :start].any(1) | (is_key.sum(1) != Q)
+    ex, qpos = np.nonzero(is_key)
+    marker = layout.get("query_marker", False)
+    if marker:  # the key, then the marker; a key at L-2 has no room for either
+        is_marker = examples == layout["query_id"]
+        bad |= is_marker.sum(1) != Q
+        bad[ex[qpos > L - 4]] = True
+        ex, qpos = ex[qpos <= L - 4], qpos[qpos <= L - 4]
+        bad[ex[~is_marker[ex, qpos + 1]]] = True
+        qpos = qpos + 1  # scored at the marker
+    match = pair_keys[ex] == examples[ex, qpos - int(marker)][:, None]  # (N, P)
+    bad[ex[match.sum(1) != 1]] = True
+    slot = match.argmax(1)
+    target = examples[ex, qpos + 1]
+    bad[ex[target != pair_values[ex, slot]]] = True
+    if bad.any():
+        raise DataError(
+            f"{int(bad.sum())} of {n} examples break the recall layout (first: example {int(np.argmax(bad))})"
+        )
+    return np.stack([ex, qpos, 1 + stride * slot, target], axis=1)
+
+
+def default_distance_bins(layout: dict, n_bins: int = 4) -> list[int]:
+    """n_bins equal-width bins over every possible query distance."""
+    lo, hi = layout["min_distance"], layout["seq_len"] - 4  # as RecallSettings.max_distance
+    return sorted({int(round(e)) for e in np.linspace(lo, hi + 1, n_bins + 1)})
+
+
+def score_queries(predictions: np.ndarray, queries: np.ndarray, bins: list[int]) -> dict:
+    """Accuracy of predictions (one per query row) overall and by distance bin [lo, hi)."""
+    correct = predictions == queries[:, 3]
+    distance = queries[:, 1] - queries[:, 2]
+    by_distance = []
+    for lo, hi in zip(bins[:-1], bins[1:]):
+        sel = (distance >= lo) & (distance < hi)
+        by_distance.append({
+            "min_distance": int(lo),
+            "max_distance": int(hi - 1),
+            "accuracy": float(correct[sel].mean()) if sel.any() else None,
+            "n": int(sel.sum()),
+        })
+    return {"accuracy": float(correct.mean()), "n_queries": int(len(correct)), "by_distance": by_distance}
+
+
+def predict_at_queries(model, examples: np.ndarray, queries: np.ndarray, batch_size: int) -> np.ndarray:
+    """The model's argmax (over the whole vocabulary) at each query position."""
+    import torch
+
+    device = next(model.parameters()).device
+    predictions = np.empty(len(queries), dtype=np.int64)
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            stop = min(start + batch_size, len(examples))
+            x = torch.from_numpy(np.ascontiguousarray(examples[start:stop], dtype=np.int64)).to(device)
+            argmax = model(x).logits.argmax(-1).cpu().numpy()  # (b, L)
+            sel = (queries[:, 0] >= start) & (queries[:, 0] < stop)
+            predictions[sel] = argmax[queries[sel, 0] - start, queries[sel, 1]]
+    return predictions
+
+
+def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: str = "cpu",
+                    distance_bins: list[int] | None = None, corpus: str = "recall",
+                    max_examples: int | None = None) -> dict:
+    """Recall accuracy on every example of tokens_bin (or the first max_examples), as JSON.
+
+    distance_bins: increasing edges; bin i holds distances in [edge_i, edge_{i+1}). Default:
+    four equal-width bins over the possible distances.
+    """
+    from .evaluation import load_model, run_metadata
+
+    if type(batch_size) is not int or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    examples, meta = load_examples(tokens_bin)
+    if max_examples is not None:
+        examples = examples[:max_examples]
+    layout = meta["recall"]
+    bins = default_distance_bins(layout) if distance_bins is None else [int(b) for b in distance_bins]
+    if len(bins) < 2 or any(a >= b for a, b in zip(bins[:-1], bins[1:])):
+        raise ValueError(f"distance_bins must be >= 2 increasing edges, got {distance_bins!r}")
+    queries = find_queries(examples, layout)
+    model = load_model(Path(model_dir), device)
+    if model.config.vocab_size < meta["vocab_size"]:
+        raise ValueError(f"model vocab_size {model.config.vocab_size} < corpus vocab_size {meta['vocab_size']}")
+    predictions = predict_at_queries(model, examples, queries, batch_size)
+    n_values = layout["value_ids"][1] - layout["value_ids"][0]
+    result = {**run_metadata(Path(model_dir)), "corpus": corpus, "split": meta.get("split", "test")}
+    result.update(score_queries(predictions, queries, bins))
+    result["chance"] = 1.0 / n_values
+    with atomic_file(Path(out_json)) as tmp:
+        tmp.write_text(json.dumps(result, indent=2))
+    return result
