@@ -15,22 +15,10 @@ from transformers import AutoModelForCausalLM
 
 from .atomic import atomic_dir, atomic_file
 from .data import load_tokens, read_documents
+from .runs import run_metadata  # noqa: F401  (re-exported: the eval JSONs carry it)
 
 HELDOUT_TASK = "dimattn_heldout"  # loglikelihood_rolling over held-out documents
 NEXT_LINE_TASK = "dimattn_next_line"  # 4-way choice of the true next verse line
-
-
-def run_metadata(model_dir: Path) -> dict:
-    """The fields that identify a run in every summary."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    variant = config["attention"]
-    return {
-        "run": Path(model_dir).name,
-        "variant": variant,
-        "d_model": config["hidden_size"],
-        "d_down": config["d_down"] if variant != "vanilla" else None,
-        "window": config["window"] if variant == "dar" else None,
-    }
 
 
 def load_model(model_dir: Path, device: str = "cpu"):

@@ -9,6 +9,8 @@ with logged(snakemake):
         "summarize_perplexity": reporting.summarize_perplexity,
         "summarize_trajectory": reporting.summarize_trajectory,
         "summarize_lm_eval": reporting.summarize_lm_eval,
+        "summarize_recall": reporting.summarize_recall,
         "summarize_fidelity": reporting.summarize_fidelity,
     }[snakemake.rule]
-    summarize([Path(p) for p in snakemake.input], Path(snakemake.output[0]))
+    # params are keyword arguments: synthetic (perplexity), datasets (trajectory)
+    summarize([Path(p) for p in snakemake.input], Path(snakemake.output[0]), **dict(snakemake.params.items()))
