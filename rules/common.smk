@@ -1,6 +1,7 @@
 """Helpers shared by all the .smk files: config validation, the sweep expansion, paths."""
 
 import itertools
+import re
 
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
@@ -27,22 +28,88 @@ def _as_list(value):
     return value if isinstance(value, list) else [value]
 
 
-def run_name(scale, attention, window, d_down):
+# Which sweep keys each variant takes; a key given to a variant that ignores it is an error.
+VARIANT_KEYS = {
+    "vanilla": set(),
+    "dar": {"window", "d_down", "bottleneck_activation"},
+    "uniform": {"d_down", "bottleneck_activation"},
+    "swa": {"window"},
+    "dilated": {"window", "dilation"},
+}
+PATTERN_KEYS = {"full_attention_every", "attention_layers"}  # any variant but vanilla
+REQUIRED_KEYS = {"dar": {"window", "d_down"}, "uniform": {"d_down"}, "swa": {"window"}}
+SWEPT_KEYS = ["window", "d_down", "dilation"]  # list values expand as a product
+
+
+def run_name(scale, model):
+    """tiny-dar-w32-d16, tiny-swa-w32-full2, recall-dilated-w16-r4, tiny-dar-w32-d32-sigmoid, ..."""
+    attention = model["attention"]
     name = f"{scale}-{attention}"
-    if attention == "dar":
-        name += f"-w{window}"
-    if d_down is not None:
-        name += f"-d{d_down}"
+    if "window" in model:
+        name += f"-w{model['window']}"
+    if "dilation" in model:
+        name += f"-r{model['dilation']}"
+    if "d_down" in model:
+        name += f"-d{model['d_down']}"
+    if model.get("bottleneck_activation", "linear") != "linear":
+        name += f"-{model['bottleneck_activation']}"
+    if model.get("full_attention_every"):
+        name += f"-full{model['full_attention_every']}"
+    if model.get("attention_layers") is not None:
+        name += "-layers" + ".".join(map(str, model["attention_layers"]))
     return name
 
 
+def scale_dataset(scale):
+    return config["pretraining"]["scales"][scale].get(
+        "dataset", config["pretraining"]["dataset"]
+    )
+
+
+def _check_sweep_keys(key, sweep):
+    attention = sweep["attention"]
+    allowed = VARIANT_KEYS[attention] | (
+        PATTERN_KEYS if attention != "vanilla" else set()
+    )
+    for field in sorted(REQUIRED_KEYS.get(attention, set()) - set(sweep)):
+        raise config_error(
+            f"{key}.{field}", f"missing: attention={attention!r} needs {field}"
+        )
+    for field in sorted(set(sweep) - allowed - {"scale", "attention"}):
+        raise config_error(
+            f"{key}.{field}", f"attention={attention!r} takes no {field}"
+        )
+
+
+def _check_model(key, scale, model):
+    """Sweep values against the scale's architecture, with the key that holds them."""
+    arch = config["pretraining"]["scales"][scale]["architecture"]
+    d_model, layers = arch["hidden_size"], arch["num_hidden_layers"]
+    if "d_down" in model and model["d_down"] > d_model:
+        raise config_error(
+            f"{key}.d_down",
+            f"{model['d_down']} must be <= hidden_size={d_model} of scale {scale!r} "
+            "(d_down = hidden_size is the no-bottleneck control)",
+        )
+    if model["attention"] in ("swa", "dilated") and model["window"] < 1:
+        raise config_error(
+            f"{key}.window", f"{model['attention']} needs window >= 1 (its own token)"
+        )
+    bad = [i for i in model.get("attention_layers") or [] if i >= layers]
+    if bad:
+        raise config_error(
+            f"{key}.attention_layers",
+            f"layer {bad[0]} does not exist: scale {scale!r} has {layers} layers",
+        )
+
+
 def expand_sweeps():
-    """pretraining.sweeps -> {run name: spec}; list-valued window/d_down expand as a product."""
+    """pretraining.sweeps -> {run name: spec}; list-valued window/d_down/dilation expand as a product."""
     scales = config["pretraining"]["scales"]
     runs = {}
     for i, sweep in enumerate(config["pretraining"]["sweeps"]):
         key = f"pretraining.sweeps[{i}]"
-        scale, attention = sweep["scale"], sweep["attention"]
+        scale = sweep["scale"]
         if scale not in scales:
             raise config_error(
                 f"{key}.scale", f"unknown scale {scale!r}; known: {sorted(scales)}"
@@ -54,34 +121,21 @@ def expand_sweeps():
                 f"pretraining.scales.{scale}.architecture.hidden_size",
                 f"{d_model} is not divisible by num_attention_heads={heads}",
             )
-        needs_window, needs_d_down = attention == "dar", attention in ("dar", "uniform")
-        for field, needed in (("window", needs_window), ("d_down", needs_d_down)):
-            if needed and field not in sweep:
+        _check_sweep_keys(key, sweep)
+        fixed = {k: v for k, v in sweep.items() if k not in SWEPT_KEYS + ["scale"]}
+        swept = [(k, _as_list(sweep[k])) for k in SWEPT_KEYS if k in sweep]
+        for values in itertools.product(*(v for _, v in swept)):
+            model = {**scales[scale]["architecture"], **fixed}
+            model.update(zip((k for k, _ in swept), values))
+            _check_model(key, scale, model)
+            name = run_name(scale, model)
+            if name in runs:
                 raise config_error(
-                    f"{key}.{field}", f"missing: attention={attention!r} needs {field}"
+                    key, f"run {name!r} is already defined by an earlier sweep"
                 )
-            if not needed and field in sweep:
-                raise config_error(
-                    f"{key}.{field}", f"attention={attention!r} takes no {field}"
-                )
-        windows = _as_list(sweep.get("window", [None]))
-        d_downs = _as_list(sweep.get("d_down", [None]))
-        for window, d_down in itertools.product(windows, d_downs):
-            if window is not None and window < 0:
-                raise config_error(f"{key}.window", f"must be >= 0, got {window}")
-            if d_down is not None and d_down >= d_model:
-                raise config_error(
-                    f"{key}.d_down",
-                    f"{d_down} must be < hidden_size={d_model} of scale {scale!r}",
-                )
-            name = run_name(scale, attention, window, d_down)
-            model = {**scales[scale]["architecture"], "attention": attention}
-            if window is not None:
-                model["window"] = window
-            if d_down is not None:
-                model["d_down"] = d_down
             runs[name] = {
                 "scale": scale,
+                "dataset": scale_dataset(scale),
                 "model": model,
                 "training": scales[scale]["training"],
                 "resources": scales[scale].get("resources", {}),
@@ -100,6 +154,18 @@ def check_references():
             )
 
     need_dataset("pretraining.dataset", config["pretraining"]["dataset"])
+    for scale, spec in config["pretraining"]["scales"].items():
+        if "dataset" in spec:
+            need_dataset(f"pretraining.scales.{scale}.dataset", spec["dataset"])
+        dataset = scale_dataset(scale)
+        if dataset in datasets and is_synthetic(dataset):
+            example_len = datasets[dataset]["seq_len"]
+            if spec["training"]["seq_len"] != example_len:
+                raise config_error(
+                    f"pretraining.scales.{scale}.training.seq_len",
+                    f"{spec['training']['seq_len']} must equal datasets.{dataset}.seq_len={example_len}: "
+                    "windows are whole examples",
+                )
     tok = config["tokenizer"]
     if bool(tok.get("train_on")) == bool(tok.get("hub")):
         raise config_error(
@@ -109,6 +175,17 @@ def check_references():
         need_dataset("tokenizer.train_on", tok["train_on"])
     for name in perplexity_datasets():
         need_dataset("evaluation.perplexity.datasets", name)
+        if is_synthetic(name):
+            raise config_error(
+                "evaluation.perplexity.datasets",
+                f"{name!r} is synthetic; synthetic runs are scored on their own test split",
+            )
+    for scale in lm_eval_config().get("scales") or []:
+        if scale not in config["pretraining"]["scales"]:
+            raise config_error(
+                "evaluation.lm_eval.scales",
+                f"unknown scale {scale!r}; known: {sorted(config['pretraining']['scales'])}",
+            )
     if lm_eval_config().get("write_tasks_from"):
         need_dataset(
             "evaluation.lm_eval.write_tasks_from", lm_eval_config()["write_tasks_from"]
@@ -130,8 +207,50 @@ def check_references():
                     )
 
 
+SYNTHETIC_SOURCES = {"synthetic_recall"}
+
+
+def is_synthetic(dataset):
+    return config["datasets"][dataset]["source"] in SYNTHETIC_SOURCES
+
+
+def text_datasets():
+    return [d for d in config["datasets"] if not is_synthetic(d)]
+
+
+def synthetic_datasets():
+    return [d for d in config["datasets"] if is_synthetic(d)]
+
+
+def one_of(names):
+    """A wildcard constraint matching exactly these names (and nothing when there are none)."""
+    return "|".join(re.escape(n) for n in names) or "(?!)"
+
+
 def perplexity_datasets():
     return config["evaluation"].get("perplexity", {}).get("datasets", [])
+
+
+def perplexity_targets(run):
+    """Synthetic runs: their own test split. Text runs: evaluation.perplexity.datasets (they
+    share one tokenizer), or their own corpus when that list is empty."""
+    dataset = RUNS[run]["dataset"]
+    if is_synthetic(dataset):
+        return [dataset]
+    return perplexity_datasets() or [dataset]
+
+
+def text_runs():
+    return [r for r, spec in RUNS.items() if not is_synthetic(spec["dataset"])]
+
+
+def lm_eval_runs():
+    scales = lm_eval_config().get("scales")
+    return [r for r in text_runs() if scales is None or RUNS[r]["scale"] in scales]
+
+
+def recall_runs():
+    return [r for r, spec in RUNS.items() if is_synthetic(spec["dataset"])]
 
 
 def lm_eval_config():
@@ -147,6 +266,21 @@ check_references()
 
 
 # --- paths and params ------------------------------------------------------------------------
+
+
+def tokenizer_dir(dataset):
+    """Text corpora share results/tokenizer; a synthetic corpus writes its own vocabulary."""
+    if is_synthetic(dataset):
+        return f"{DATA}/{dataset}/tokenizer"
+    return "results/tokenizer"
+
+
+def run_tokenizer(wildcards):
+    return tokenizer_dir(RUNS[wildcards.run]["dataset"])
+
+
+def run_tokens(split):
+    return lambda wildcards: tokens(RUNS[wildcards.run]["dataset"], split)
 
 
 def tokens(dataset, split):
@@ -213,8 +347,22 @@ def dimpo_model_source(wildcards):
 # --- targets ---------------------------------------------------------------------------------
 
 
+def perplexity_files():
+    return [
+        f"{EVAL}/{run}/perplexity_{dataset}.json"
+        for run in RUNS
+        for dataset in perplexity_targets(run)
+    ]
+
+
+def recall_files():
+    return [f"{EVAL}/{run}/recall_{RUNS[run]['dataset']}.json" for run in recall_runs()]
+
+
 def summary_files():
     files = [f"{SUMMARY}/dar_perplexity.csv", f"{SUMMARY}/dar_trajectory.csv"]
+    if recall_runs():
+        files.append(f"{SUMMARY}/recall.csv")
     if lm_eval_config().get("tasks"):
         files.append(f"{SUMMARY}/lm_eval.csv")
     if dimpo_enabled():
@@ -222,15 +370,82 @@ def summary_files():
     return files
 
 
-def dar_report_files():
-    files = [
-        f"{TABLES}/dar_perplexity.tex",
-        f"{FIGURES}/dar_perplexity.png",
-        f"{FIGURES}/dar_trajectory.png",
+# Which DAR tables and figures the config's runs call for, read off the run fields (never the
+# names); dimattn.reporting.render_dar applies the same tests to the summaries.
+
+
+def _model(run):
+    return RUNS[run]["model"]
+
+
+def _plain(model):
+    """Linear bottleneck (or none), no layer pattern: the runs of seed 000's tables."""
+    return (
+        model.get("bottleneck_activation", "linear") == "linear"
+        and not model.get("full_attention_every")
+        and model.get("attention_layers") is None
+    )
+
+
+def _plain_dar(runs):
+    return [
+        _model(r) | {"scale": RUNS[r]["scale"]}
+        for r in runs
+        if _model(r)["attention"] == "dar" and _plain(_model(r))
     ]
-    if lm_eval_config().get("tasks"):
-        files.append(f"{TABLES}/lm_eval.tex")
-    return files
+
+
+def has_quarter_dar():
+    """Table 2: a text run of DAR at d_down = d/4."""
+    return any(4 * m["d_down"] == m["hidden_size"] for m in _plain_dar(text_runs()))
+
+
+def has_window_sweep():
+    """Table 3: plain DAR runs of one scale and d_down at two or more windows."""
+    windows = {}
+    for m in _plain_dar(RUNS):
+        windows.setdefault((m["scale"], m["d_down"]), set()).add(m["window"])
+    return any(len(w) >= 2 for w in windows.values())
+
+
+def has_no_bottleneck_dar():
+    """Table 4: lm-eval scores of a DAR run with d_down = d (the no-bottleneck control)."""
+    return bool(lm_eval_config().get("tasks")) and any(
+        m["d_down"] == m["hidden_size"] for m in _plain_dar(text_runs())
+    )
+
+
+def has_baselines():
+    """Seed 001's SWA, dilated and hybrids, or a DAR/Uniform variant (sigmoid, layer pattern)."""
+    return any(
+        _model(r)["attention"] in ("swa", "dilated") or not _plain(_model(r))
+        for r in RUNS
+        if _model(r)["attention"] != "vanilla"
+    )
+
+
+# report file -> (caption, whether the config calls for it)
+DAR_REPORT = {
+    f"{TABLES}/dar_perplexity.tex": ("dar_perplexity", lambda: True),
+    f"{FIGURES}/dar_perplexity.png": ("dar_perplexity", lambda: True),
+    f"{TABLES}/dar_scales.tex": ("dar_scales", has_quarter_dar),
+    f"{TABLES}/dar_window.tex": ("dar_window", has_window_sweep),
+    f"{FIGURES}/dar_window.png": ("dar_window", has_window_sweep),
+    f"{TABLES}/dar_downstream.tex": ("dar_downstream", has_no_bottleneck_dar),
+    f"{TABLES}/baselines.tex": ("baselines", has_baselines),
+    f"{TABLES}/recall.tex": ("recall", lambda: bool(recall_runs())),
+    f"{FIGURES}/recall.png": ("recall", lambda: bool(recall_runs())),
+    f"{FIGURES}/dar_trajectory.png": ("dar_trajectory", lambda: True),
+    f"{TABLES}/lm_eval.tex": ("lm_eval", lambda: bool(lm_eval_config().get("tasks"))),
+}
+
+
+def dar_report_files():
+    return [path for path, (_, wanted) in DAR_REPORT.items() if wanted()]
+
+
+def dar_report_caption(path):
+    return f"../report/{DAR_REPORT[path][0]}.rst"
 
 
 def dimpo_report_files():

@@ -68,6 +68,30 @@ rule train_tokenizer:
         "../workflow_scripts/train_tokenizer.py"
 
 
+rule generate_recall:
+    output:
+        bins=expand(tokens("{{dataset}}", "{split}"), split=SPLITS),
+        metas=expand(f"{DATA}/{{{{dataset}}}}/tokens/{{split}}.json", split=SPLITS),
+        tokenizer=directory(f"{DATA}/{{dataset}}/tokenizer"),
+    log:
+        f"{LOGS}/data/generate_{{dataset}}.log",
+    benchmark:
+        f"{BENCH}/data/generate_{{dataset}}.tsv"
+    wildcard_constraints:
+        dataset=one_of(synthetic_datasets()),
+    conda:
+        "../envs/data.yaml"
+    threads: 1
+    resources:
+        runtime=30,
+        mem_mb=lambda wc, attempt: 2000 * attempt,
+    params:
+        spec=dataset_spec,
+        out_dir=lambda wc: f"{DATA}/{wc.dataset}",
+    script:
+        "../workflow_scripts/generate_recall.py"
+
+
 rule tokenize:
     input:
         documents=documents("{dataset}", "{split}"),
@@ -79,6 +103,8 @@ rule tokenize:
         f"{LOGS}/data/tokenize_{{dataset}}_{{split}}.log",
     benchmark:
         f"{BENCH}/data/tokenize_{{dataset}}_{{split}}.tsv"
+    wildcard_constraints:
+        dataset=one_of(text_datasets()),
     conda:
         "../envs/data.yaml"
     threads: 1

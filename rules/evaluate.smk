@@ -27,6 +27,33 @@ rule perplexity:
         "../workflow_scripts/perplexity.py"
 
 
+rule recall:
+    input:
+        model=f"{MODELS}/{{run}}",
+        tokens=tokens("{dataset}", "test"),
+    output:
+        f"{EVAL}/{{run}}/recall_{{dataset}}.json",
+    log:
+        f"{LOGS}/evaluate/recall_{{run}}_{{dataset}}.log",
+    benchmark:
+        f"{BENCH}/evaluate/recall_{{run}}_{{dataset}}.tsv"
+    wildcard_constraints:
+        dataset=one_of(synthetic_datasets()),
+    conda:
+        "../envs/torch.yaml"
+    threads: 1
+    resources:
+        runtime=30,
+        mem_mb=lambda wc, attempt: 4000 * attempt,
+        gpu=gpu_count(),
+    params:
+        batch_size=config["evaluation"].get("recall", {}).get("batch_size", 32),
+        device=config["device"],
+        corpus=lambda wc: wc.dataset,
+    script:
+        "../workflow_scripts/recall.py"
+
+
 rule write_lm_eval_tasks:
     input:
         test=lambda wc: documents(lm_eval_config()["write_tasks_from"], "test"),

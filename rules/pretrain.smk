@@ -1,11 +1,20 @@
-# Pretraining: one job per run of the expanded sweeps (pretraining.sweeps).
+# Pretraining: one job per run of the expanded sweeps (pretraining.sweeps), on resources.nproc
+# processes a node (torchrun) and resources.nodes nodes (srun, SLURM only). Checkpoints live in
+# results/checkpoints/<run>/, not a Snakemake output, so a killed or retried job resumes there.
+
+
+# (processes a node, nodes) of each run.
+PRETRAIN_LAYOUT = {
+    run: (spec["resources"].get("nproc", 1), spec["resources"].get("nodes", 1))
+    for run, spec in RUNS.items()
+}
 
 
 rule pretrain:
     input:
-        train=lambda wc: tokens(config["pretraining"]["dataset"], "train"),
-        validation=lambda wc: tokens(config["pretraining"]["dataset"], "validation"),
-        tokenizer="results/tokenizer",
+        train=run_tokens("train"),
+        validation=run_tokens("validation"),
+        tokenizer=run_tokenizer,
     output:
         directory(f"{MODELS}/{{run}}"),
     log:
@@ -18,10 +27,33 @@ rule pretrain:
     resources:
         runtime=run_resources("runtime", 30),
         mem_mb=run_resources("mem_mb", 4000),
-        gpu=gpu_count(),
+        # One GPU a process. On one node the SLURM plugin's --gpus (a job total); on several,
+        # gres per node, since SLURM may spread a job total unevenly over the nodes.
+        gpu=lambda wc: (
+            gpu_count() * PRETRAIN_LAYOUT[wc.run][0]
+            if PRETRAIN_LAYOUT[wc.run][1] == 1
+            else None
+        ),
+        gres=lambda wc: (
+            f"gpu:{PRETRAIN_LAYOUT[wc.run][0]}"
+            if gpu_count() and PRETRAIN_LAYOUT[wc.run][1] > 1
+            else None
+        ),
+        nodes=lambda wc: PRETRAIN_LAYOUT[wc.run][1],
+        # Several nodes: the job runs srun itself, one task (a torchrun) a node: an "mpi" job
+        # to the plugin; tasks_per_gpu=0 stops it reading tasks as --ntasks-per-gpu.
+        mpi=lambda wc: "srun" if PRETRAIN_LAYOUT[wc.run][1] > 1 else None,
+        tasks=lambda wc: (
+            PRETRAIN_LAYOUT[wc.run][1] if PRETRAIN_LAYOUT[wc.run][1] > 1 else None
+        ),
+        tasks_per_gpu=lambda wc: (
+            0 if gpu_count() and PRETRAIN_LAYOUT[wc.run][1] > 1 else None
+        ),
     params:
         spec=run_spec,
         checkpoint_dir=lambda wc: f"results/checkpoints/{wc.run}",
         device=config["device"],
+        nproc=lambda wc: PRETRAIN_LAYOUT[wc.run][0],
+        nodes=lambda wc: PRETRAIN_LAYOUT[wc.run][1],
     script:
         "../workflow_scripts/pretrain.py"

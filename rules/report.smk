@@ -3,11 +3,7 @@
 
 rule summarize_perplexity:
     input:
-        expand(
-            f"{EVAL}/{{run}}/perplexity_{{dataset}}.json",
-            run=RUNS,
-            dataset=perplexity_datasets(),
-        ),
+        perplexity_files(),
     output:
         f"{SUMMARY}/dar_perplexity.csv",
     log:
@@ -20,6 +16,8 @@ rule summarize_perplexity:
     resources:
         runtime=5,
         mem_mb=1000,
+    params:
+        synthetic=synthetic_datasets(),
     script:
         "../workflow_scripts/summarize.py"
 
@@ -39,19 +37,41 @@ rule summarize_trajectory:
     resources:
         runtime=5,
         mem_mb=1000,
+    params:
+        datasets={run: spec["dataset"] for run, spec in RUNS.items()},
     script:
         "../workflow_scripts/summarize.py"
 
 
 rule summarize_lm_eval:
     input:
-        expand(f"{EVAL}/{{run}}/lm_eval.json", run=RUNS),
+        expand(f"{EVAL}/{{run}}/lm_eval.json", run=lm_eval_runs()),
     output:
         f"{SUMMARY}/lm_eval.csv",
     log:
         f"{LOGS}/report/summarize_lm_eval.log",
     benchmark:
         f"{BENCH}/report/summarize_lm_eval.tsv"
+    conda:
+        "../envs/report.yaml"
+    threads: 1
+    resources:
+        runtime=5,
+        mem_mb=1000,
+    script:
+        "../workflow_scripts/summarize.py"
+
+
+# One row per recall run and distance bin, plus its overall accuracy (dimattn.reporting.summarize_recall).
+rule summarize_recall:
+    input:
+        recall_files(),
+    output:
+        f"{SUMMARY}/recall.csv",
+    log:
+        f"{LOGS}/report/summarize_recall.log",
+    benchmark:
+        f"{BENCH}/report/summarize_recall.tsv"
     conda:
         "../envs/report.yaml"
     threads: 1
@@ -90,30 +110,10 @@ rule render_dar_report:
     input:
         [f for f in summary_files() if "dimpo" not in f],
     output:
-        report(
-            f"{TABLES}/dar_perplexity.tex",
-            caption="../report/dar_perplexity.rst",
-            category="DAR",
-        ),
-        report(
-            f"{FIGURES}/dar_perplexity.png",
-            caption="../report/dar_perplexity.rst",
-            category="DAR",
-        ),
-        report(
-            f"{FIGURES}/dar_trajectory.png",
-            caption="../report/dar_trajectory.rst",
-            category="DAR",
-        ),
         [
-            report(
-                f"{TABLES}/lm_eval.tex",
-                caption="../report/lm_eval.rst",
-                category="DAR",
-            )
-        ]
-        if lm_eval_config().get("tasks")
-        else [],
+            report(path, caption=dar_report_caption(path), category="DAR")
+            for path in dar_report_files()
+        ],
     log:
         f"{LOGS}/report/render_dar.log",
     benchmark:

@@ -68,11 +68,16 @@ def test_paper_dry_run_builds_the_full_dag(tmp_path):
         parts = line.split()
         if len(parts) == 2 and parts[1].isdigit():
             counts[parts[0]] = int(parts[1])
-    assert counts["pretrain"] == 10  # Table 1 (6 runs at 70M) + Table 2 (vanilla and DAR at 160M, 410M)
+    # Table 1 (7 runs at 70M), Table 3 (6 more windows), sigmoid and layer-subset DAR, seed 001's
+    # three baselines, Table 2 (vanilla and DAR at 160M, 410M), Table 4 (6 d_down at d = 2048)
+    assert counts["pretrain"] == 7 + 6 + 2 + 3 + 4 + 6
+    assert counts["lm_eval"] == 6  # evaluation.lm_eval.scales: the d = 2048 sweep
     assert counts["capture_qkv"] == 8  # 4 hub models x (fit, eval)
     assert counts["fit_projection"] == 4 * 4 * 7  # models x objectives x d'
     assert "shakespeare" not in text and "tiny-" not in text  # nothing leaks from config.yaml
-    assert "pythia-70m-dar-w128-d64" in text
+    for run in ("pythia-70m-dar-w128-d64", "pythia-70m-dar-w0-d128", "pythia-70m-swa-w128-full4",
+                "pythia-70m-dilated-w128-r4", "pythia-1b-dar-w128-d2048", "pythia-70m-dar-w128-d128-sigmoid"):
+        assert run in text
 
 
 def test_slurm_profile_builds_the_paper_dag(tmp_path):
@@ -85,7 +90,7 @@ def test_slurm_profile_builds_the_paper_dag(tmp_path):
     (work / "slurm" / "config.v8+.yaml").write_text(yaml.safe_dump(profile))
     out = snakemake("-n", "--profile", "slurm", "--configfile", "configs/paper.yaml", cwd=work, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "pretrain                   10" in out.stdout + out.stderr
+    assert "pretrain                   28" in out.stdout + out.stderr
 
 
 def bad(mutate):
@@ -94,32 +99,32 @@ def bad(mutate):
     return cfg
 
 
+def add_sweep(sweep):
+    """Append a sweep; returns the mutation and the key it will have."""
+    return lambda c: c["pretraining"]["sweeps"].append(sweep)
+
+
+NEXT_SWEEP = f"pretraining.sweeps[{len(DEFAULT['pretraining']['sweeps'])}]"
+
 BAD_CONFIGS = {
-    "unknown variant": (
-        lambda c: c["pretraining"]["sweeps"].append({"scale": "tiny", "attention": "sparse"}),
-        "sparse",
-    ),
+    "unknown variant": (add_sweep({"scale": "tiny", "attention": "sparse"}), "sparse"),
     "unknown objective": (lambda c: c["dimpo"]["objectives"].append("cosine"), "cosine"),
-    "d_down >= d_model": (
-        lambda c: c["pretraining"]["sweeps"].append({"scale": "tiny", "attention": "uniform", "d_down": 128}),
-        "pretraining.sweeps[3].d_down",
-    ),
-    "negative window": (
-        lambda c: c["pretraining"]["sweeps"].append(
-            {"scale": "tiny", "attention": "dar", "window": -4, "d_down": 32}
-        ),
-        "-4",
-    ),
+    "d_down > d_model": (add_sweep({"scale": "tiny", "attention": "uniform", "d_down": 256}), f"{NEXT_SWEEP}.d_down"),
+    "negative window": (add_sweep({"scale": "tiny", "attention": "dar", "window": -4, "d_down": 32}), "-4"),
     "missing key": (lambda c: c["datasets"]["shakespeare"].pop("sha256"), "sha256"),
-    "dar without window": (
-        lambda c: c["pretraining"]["sweeps"].append({"scale": "tiny", "attention": "dar", "d_down": 32}),
-        "pretraining.sweeps[3].window",
-    ),
+    "dar without window": (add_sweep({"scale": "tiny", "attention": "dar", "d_down": 32}), f"{NEXT_SWEEP}.window"),
+    "swa with d_down": (add_sweep({"scale": "tiny", "attention": "swa", "window": 8, "d_down": 32}),
+                        f"{NEXT_SWEEP}.d_down"),
+    "swa with window 0": (add_sweep({"scale": "tiny", "attention": "swa", "window": 0}), f"{NEXT_SWEEP}.window"),
+    "layer out of range": (add_sweep({"scale": "tiny", "attention": "dar", "window": 8, "d_down": 32,
+                                      "attention_layers": [7]}), f"{NEXT_SWEEP}.attention_layers"),
+    "duplicate run": (add_sweep({"scale": "tiny", "attention": "vanilla"}), "already defined"),
     "unknown dataset": (lambda c: c["pretraining"].update(dataset="pile"), "pretraining.dataset"),
-    "unknown scale": (
-        lambda c: c["pretraining"]["sweeps"].append({"scale": "huge", "attention": "vanilla"}),
-        "pretraining.sweeps[3].scale",
-    ),
+    "unknown scale": (add_sweep({"scale": "huge", "attention": "vanilla"}), f"{NEXT_SWEEP}.scale"),
+    "recall seq_len mismatch": (lambda c: c["pretraining"]["scales"]["recall"]["training"].update(seq_len=64),
+                                "pretraining.scales.recall.training.seq_len"),
+    "synthetic perplexity": (lambda c: c["evaluation"]["perplexity"]["datasets"].append("recall"),
+                             "evaluation.perplexity.datasets"),
 }
 
 
@@ -166,10 +171,17 @@ def smoke(tmp_path_factory):
 def test_smoke_summaries(smoke):
     ppl = pd.read_csv(smoke / "results/summary/dar_perplexity.csv")
     assert set(ppl.columns) >= {"run", "variant", "d_down", "window", "corpus", "ppl", "rel_to_vanilla"}
-    assert set(ppl["variant"]) == {"vanilla", "dar", "uniform"}
-    assert ppl.loc[ppl.variant == "vanilla", "rel_to_vanilla"].item() == pytest.approx(100.0)
+    text = ppl[ppl["corpus"] == "shakespeare"]
+    assert set(text["variant"]) == {"vanilla", "dar", "uniform", "swa"}
+    assert set(text.loc[text.variant == "dar", "window"]) == {4, 16}  # the smoke window sweep
+    assert text.loc[text.variant == "vanilla", "rel_to_vanilla"].item() == pytest.approx(100.0)
     # 20 steps of training already beat the uniform distribution over the 8192-token vocabulary
-    assert (ppl["ppl"] < 8192).all()
+    assert (text["ppl"] < 8192).all()
+    recall = pd.read_csv(smoke / "results/summary/recall.csv")
+    overall = recall[recall["scope"] == "overall"]
+    assert set(overall["variant"]) == {"vanilla", "dar", "uniform"}
+    assert overall["accuracy"].between(0, 1).all() and (overall["chance"] == 1 / 16).all()
+    assert (recall[recall["scope"] == "distance"]["min_distance"] > 16).all()  # beyond the window
     fidelity = pd.read_csv(smoke / "results/summary/dimpo_fidelity.csv")
     assert set(fidelity.columns) >= {"model", "objective", "d_prime", "layer", "kl", "mse"}
     assert set(fidelity["objective"]) == {"random", "pca", "kl", "dimpo"}
@@ -180,12 +192,13 @@ def test_smoke_summaries(smoke):
 
 
 def test_smoke_tables_and_figures(smoke):
-    for name in ["dar_perplexity.tex", "dimpo_fidelity.tex", "lm_eval.tex"]:
+    for name in ["dar_perplexity.tex", "dimpo_fidelity.tex", "lm_eval.tex", "dar_window.tex", "dar_downstream.tex",
+                 "recall.tex", "baselines.tex"]:
         text = (smoke / "results/tables" / name).read_text()
-        assert "\\begin{tabular}" in text
+        assert "\\begin{tabular}" in text, name
     assert "99.61" in (smoke / "results/tables/dar_perplexity.tex").read_text()  # paper beside ours
-    for name in ["dar_perplexity.png", "dar_trajectory.png", "dimpo_fidelity.png"]:
-        assert (smoke / "results/figures" / name).read_bytes()[:4] == b"\x89PNG"
+    for name in ["dar_perplexity.png", "dar_trajectory.png", "dimpo_fidelity.png", "dar_window.png", "recall.png"]:
+        assert (smoke / "results/figures" / name).read_bytes()[:4] == b"\x89PNG", name
 
 
 def test_figures_target_rerenders_from_summaries_alone(smoke, tmp_path):
@@ -203,7 +216,7 @@ def test_figures_target_rerenders_from_summaries_alone(smoke, tmp_path):
 
 
 def test_model_directory_generates_in_fresh_process(smoke):
-    model_dir = smoke / "results/models/tiny-dar-w16-d16"
+    model_dir = smoke / "results/models/tiny-dar-w4-d16"  # generation through the DAR latent cache
     code = (
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
         f"d = {str(model_dir)!r}\n"
