@@ -156,47 +156,54 @@ class Band:
         mx = torch.where(torch.isinf(mx), 0.0, mx)
         return s.sub_(mx).exp_(), mx
 
-    # On CPU the blocks go through PyTorch's fused flash kernel: queries of block n become a
-    # "head" of their own against a copy of their key span, under an additive block mask.
+    # On CPU the blocks go through PyTorch's fused flash kernel: batch x heads fold into the
+    # kernel's batch, and block n's queries become "head" n against a copy of their key span,
+    # under one additive (nb, b, L) mask shared by every batch row.
 
-    def _span_heads(self, x, b, m, nb):  # (B, H, T, D) -> (B, H nb, m b, D), copied
-        return self._spans_t(self._padded(x, b, m, nb), b, m).transpose(-1, -2).flatten(1, 2)
+    def _span_heads(self, x, b, m, nb):  # (B, H, T, D) -> (B H, nb, m b, D), copied
+        return self._spans_t(self._padded(x, b, m, nb), b, m).transpose(-1, -2).flatten(0, 1)
 
-    def _head_bias(self, b, m, nb, heads, x):
+    def _head_bias(self, b, m, nb, x):
         return self._bias(self.window, b, m, nb, x.device, torch.promote_types(x.dtype, torch.float32)).to(
-            x.dtype).repeat(heads, 1, 1)[None]
+            x.dtype)[None]
 
-    def _unblock(self, x, heads, t):  # (B, H nb, b, ...) -> (B, H, T, ...)
-        x = x.unflatten(1, (heads, -1))
-        return x.flatten(2, 3)[:, :, :t] if x.dim() == 4 else x.flatten(2, 3)[:, :, :t, :]
+    @staticmethod
+    def _as_heads(x, b, nb):  # (B, H, T, ...) -> (B H, nb, b, ...)
+        pad = nb * b - x.shape[2]
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
+        return x.unflatten(2, (nb, b)).flatten(0, 1).contiguous()
 
-    def _fold_spans(self, g, b, m, nb, t):  # gradient of the span copies, back onto the keys
-        g = g.unflatten(1, (-1, nb)).unflatten(-2, (m, b))  # (B, H, nb, m, b, D)
-        total = g.new_zeros(*g.shape[:2], nb + m - 1, b, g.shape[-1])
+    @staticmethod
+    def _from_heads(x, shape, t):  # (B H, nb, b, ...) -> (B, H, T, ...)
+        return x.unflatten(0, shape[:2]).flatten(2, 3)[:, :, :t]
+
+    def _fold_spans(self, g, shape, b, m, nb, t):  # gradient of the span copies, back onto the keys
+        g = g.unflatten(0, shape[:2]).unflatten(-2, (m, b))  # (B, H, nb, m, b, D)
+        total = g.new_zeros(*shape[:2], nb + m - 1, b, g.shape[-1])
         for c in range(m):  # chunk c of query block n's span is padded key block n + c
             total[:, :, c : c + nb] += g[:, :, :, c]
         return total.flatten(-3, -2)[..., (m - 1) * b : (m - 1) * b + t, :]
 
     def _flash_forward(self, q, k, v, scale):
-        t, heads = q.shape[-2], q.shape[1]
+        t = q.shape[-2]
         b, m, nb = self._geometry(t)
-        qb = self._blocks(q, b, nb).flatten(1, 2)
         ks, vs = self._span_heads(k, b, m, nb), self._span_heads(v, b, m, nb)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qb, ks, vs, 0.0, False, attn_mask=self._head_bias(b, m, nb, heads, q), scale=scale
+            self._as_heads(q, b, nb), ks, vs, 0.0, False, attn_mask=self._head_bias(b, m, nb, q), scale=scale
         )
-        return self._unblock(out, heads, t), self._unblock(lse, heads, t)
+        return self._from_heads(out, q.shape, t), self._from_heads(lse, q.shape, t)
 
     def _flash_backward(self, q, k, v, scale, d_out, out, lse):
-        t, heads = q.shape[-2], q.shape[1]
+        t = q.shape[-2]
         b, m, nb = self._geometry(t)
-        qb, dob, ob = (self._blocks(x, b, nb).flatten(1, 2).contiguous() for x in (q, d_out, out.to(q.dtype)))
-        lseb = F.pad(lse, (0, nb * b - t)).unflatten(-1, (nb, b)).flatten(1, 2).contiguous()
+        qb, dob, ob, lseb = (self._as_heads(x, b, nb) for x in (q, d_out, out.to(q.dtype), lse))
         ks, vs = self._span_heads(k, b, m, nb), self._span_heads(v, b, m, nb)
         dq, dks, dvs = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dob, qb, ks, vs, ob, lseb, 0.0, False, attn_mask=self._head_bias(b, m, nb, heads, q), scale=scale
+            dob, qb, ks, vs, ob, lseb, 0.0, False, attn_mask=self._head_bias(b, m, nb, q), scale=scale
         )
-        return self._unblock(dq, heads, t), self._fold_spans(dks, b, m, nb, t), self._fold_spans(dvs, b, m, nb, t)
+        return (self._from_heads(dq, q.shape, t), self._fold_spans(dks, q.shape, b, m, nb, t),
+                self._fold_spans(dvs, q.shape, b, m, nb, t))
 
     def forward(self, q, k, v, scale):
         if _fused_cpu(q):
