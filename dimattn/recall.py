@@ -6,10 +6,12 @@ so the model can only answer by reading the far (bottlenecked) keys and values.
 
 Vocabulary (token ids)::
 
-    0 <|endoftext|>   1 <|bos|>   2 <|pad|>   3 <|unk|>      same specials as dimattn.data
-    4 ...                      keys    k0 .. k{n_keys-1}
-    4 + n_keys ...             values  v0 .. v{n_values-1}
-    4 + n_keys + n_values ...  filler  f0 .. f{n_filler-1}  (noise)
+    0 <|endoftext|>   1 <|bos|>   2 <|pad|>             same ids as dimattn.data
+    3 <|unk|>         4 <|query|>  (the marker of ``query_marker``)
+    5 ...                      keys    k0 .. k{n_keys-1}
+    5 + n_keys ...             values  v0 .. v{n_values-1}
+    5 + n_keys + n_values ...  filler  f0 .. f{n_filler-1}  (noise)
+    then, with fused_pairs,    pairs   k{i}v{j}, id fused_start + i * n_values + j
 
 With ``fused_pairs`` each pair is a single token ``k{i}v{j}`` at position 1 + i (ids after
 the filler), so a query's key finds its answer in one attention hop: the probe then measures
@@ -26,10 +28,22 @@ One example is exactly ``seq_len`` tokens (P = n_pairs, Q = n_queries, L = seq_l
               L - 1        <|endoftext|>
 
 Query positions q lie in [min_query_pos, L-3] and never overlap (q_{j+1} >= q_j + 2), so the
-distance from a query to its key, q - (1 + 2i), is at least min_query_pos - (2P - 1). The
-model trains on plain next-token loss over the whole sequence; only the prediction made *at* a
-query position (of the token at q + 1) is scored. Pair tokens and filler are unpredictable, so
-nothing but recall lowers the loss below the unigram level.
+distance from a query to its key, q - (1 + 2i), is at least min_query_pos - (2P - 1)
+(``RecallSettings.min_distance``; with fused pairs the pair block is 1 .. P). Only the
+prediction made *at* a query position (of the token at q + 1) is scored. With ``answer_loss``
+(the default) the corpus also writes ``{split}.targets.bin``, a uint8 mask that is 1 at the
+answers, and the trainer computes the loss there only, as Zoology does; without it the loss
+covers the whole sequence, where pair tokens and filler are unpredictable noise.
+
+Two options of the adjacent layout, for studying the two-layer circuit it needs:
+
+- ``query_marker``: each query is ``key <|query|> value``, scored at the marker. The marker
+  tells a query from a pair by the current token alone; without the mask this is what lets a
+  whole-sequence loss learn recall at all (a first-occurrence key is followed by a random value,
+  so copying from context is penalised there unless the model can tell the two apart).
+- ``sorted_keys``: the pair keys in increasing id order. Predicting the next pair key then
+  needs the previous one, which rewards the previous-token head of the induction circuit
+  directly; it also leaks a rough position of each key, so it is off by default.
 
 Queries are recomputed from the tokens and the layout in the meta (any key id after the pair
 block is a query), and evaluation checks each target against its pair: a corrupted corpus is

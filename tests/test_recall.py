@@ -156,3 +156,182 @@ def test_validation_loss_counts_only_the_answers():
     unmasked = evaluate_loss(model, x, micro_batch_size=4)
     assert masked < 0.05 < 1.0 < unmasked
     assert json.dumps(s.layout())  # the layout the meta records is plain JSON
+
+
+# --- corpus files, tokenizer, layouts, evaluate_recall end to end ----------------------------
+
+
+def _bytes(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_corpus_is_deterministic_from_the_seed_and_splits_differ(tmp_path):
+    s = RecallSettings(**SMALL)
+    write_recall_corpus(s, tmp_path / "a")
+    write_recall_corpus(s, tmp_path / "b")
+    write_recall_corpus(RecallSettings(**{**SMALL, "seed": 1}), tmp_path / "c")
+    a, b, c = _bytes(tmp_path / "a"), _bytes(tmp_path / "b"), _bytes(tmp_path / "c")
+    assert a == b  # same settings: the same files, byte for byte
+    assert a["tokens/train.bin"] != c["tokens/train.bin"]
+    splits = {n: np.asarray(load_tokens(tmp_path / f"a/tokens/{n}.bin")[0]).reshape(-1, s.seq_len) for n in
+              ("train", "validation", "test")}
+    # independent streams: the held-out splits are not a prefix of train, nor of each other
+    assert not np.array_equal(splits["validation"], splits["train"][: s.n_validation])
+    assert not np.array_equal(splits["test"], splits["validation"][: s.n_test])
+    assert [len(v) for v in splits.values()] == [s.n_train, s.n_validation, s.n_test]
+    assert not list((tmp_path).glob(".*.tmp"))  # nothing left over from the atomic writes
+
+
+def test_load_tokens_reads_the_split_and_refuses_a_truncated_bin(tmp_path):
+    s = RecallSettings(**SMALL)
+    write_recall_corpus(s, tmp_path / "r")
+    tokens, meta = load_tokens(tmp_path / "r/tokens/test.bin")
+    assert tokens.dtype == np.uint16 and meta["n_tokens"] == s.n_test * s.seq_len == len(tokens)
+    assert meta["example_len"] == s.seq_len and meta["split"] == "test"
+    assert (meta["eos_token_id"], meta["bos_token_id"], meta["pad_token_id"]) == (0, 1, 2)
+    path = tmp_path / "r/tokens/test.bin"
+    path.write_bytes(path.read_bytes()[:-2])  # one token short
+    with pytest.raises(DataError, match="bytes"):
+        load_tokens(path)
+
+
+def test_tokenizer_round_trip_and_special_ids(tmp_path):
+    from transformers import AutoTokenizer
+
+    from dimattn.data import SPECIAL_TOKENS
+    from dimattn.recall import vocabulary
+
+    s = RecallSettings(**SMALL)
+    write_recall_corpus(s, tmp_path / "r")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "r/tokenizer")
+    assert len(tok) == s.vocab_size == len(vocabulary(s))
+    # the special tokens of dimattn.data, at the same ids
+    assert [tok.convert_ids_to_tokens(i) for i in range(3)] == SPECIAL_TOKENS
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (0, 1, 2)
+    x = np.asarray(load_tokens(tmp_path / "r/tokens/train.bin")[0][: s.seq_len]).tolist()
+    text = tok.decode(x)
+    assert text.split()[:3] == ["<|bos|>", tok.convert_ids_to_tokens(x[1]), tok.convert_ids_to_tokens(x[2])]
+    assert tok(text, add_special_tokens=False)["input_ids"] == x
+
+
+def test_id_ranges_are_disjoint():
+    s = RecallSettings(**SMALL)
+    ranges = [range(0, s.key_start), range(s.key_start, s.value_start), range(s.value_start, s.filler_start),
+              range(s.filler_start, s.vocab_size)]
+    assert [len(r) for r in ranges[1:]] == [s.n_keys, s.n_values, s.n_filler]
+    assert sum(map(len, ranges)) == s.vocab_size  # a partition of the vocabulary
+    x = generate_examples(s, 100, split_rng(0, "train"))
+    q = find_queries(x, s.layout())
+    assert np.isin(x[:, 2 : 1 + 2 * s.n_pairs : 2], ranges[2]).all()  # pair values are values
+    filler = np.ones(x.shape, dtype=bool)
+    filler[:, : 1 + 2 * s.n_pairs] = filler[:, -1] = False
+    filler[q[:, 0], q[:, 1]] = filler[q[:, 0], q[:, 1] + 1] = False
+    assert np.isin(x[filler], ranges[3]).all()  # everything else between is filler
+
+
+@pytest.mark.parametrize("sorted_keys", [False, True])
+def test_marker_queries_are_scored_at_the_marker(sorted_keys):
+    from dimattn.recall import QUERY_ID
+
+    s = RecallSettings(**SMALL, query_marker=True, sorted_keys=sorted_keys)
+    x = generate_examples(s, 100, split_rng(0, "test"))
+    ex, pos, key_pos, target = find_queries(x, s.layout()).T
+    assert (x[ex, pos] == QUERY_ID).all() and (x[ex, pos - 1] == x[ex, key_pos]).all()
+    assert (x[ex, key_pos + 1] == target).all() and (x[ex, pos + 1] == target).all()
+    assert (pos - key_pos >= s.min_distance).all() and (pos - key_pos).max() <= s.max_distance
+    keys = x[:, 1 : 1 + 2 * s.n_pairs : 2]
+    assert (np.diff(keys, axis=1) > 0).all() == sorted_keys
+
+
+def test_bad_settings_name_their_field():
+    for field, bad in [("n_pairs", 0), ("n_keys", 2), ("seq_len", 30), ("n_queries", 9), ("seed", -1),
+                       ("n_values", 1.5), ("query_marker", 1)]:
+        with pytest.raises(DataError, match=field):
+            RecallSettings(**{**SMALL, field: bad})
+    with pytest.raises(DataError, match="unknown recall settings"):
+        RecallSettings.from_spec({"source": "synthetic_recall", **SMALL, "n_pair": 3})
+    with pytest.raises(DataError, match="source"):
+        RecallSettings.from_spec({"source": "pypi_sdist", **SMALL})
+    assert RecallSettings.from_spec({"source": "synthetic_recall", **SMALL}) == RecallSettings(**SMALL)
+
+
+def _saved_tiny_model(path, vocab_size, seq_len):
+    from dimattn import DimAttnConfig, DimAttnForCausalLM
+
+    torch.manual_seed(0)
+    model = DimAttnForCausalLM(DimAttnConfig(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, max_position_embeddings=seq_len,
+                                             attention="dar", window=4, d_down=4))
+    model.config.register_for_auto_class()
+    model.register_for_auto_class("AutoModelForCausalLM")
+    model.save_pretrained(path)
+    return model
+
+
+class Constant(torch.nn.Module):
+    """Always predicts one token."""
+
+    def __init__(self, vocab, token):
+        super().__init__()
+        self.vocab, self.token = vocab, token
+        self.dummy = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        logits = torch.zeros(*x.shape, self.vocab)
+        logits[..., self.token] = 1.0
+        return types.SimpleNamespace(logits=logits)
+
+
+def test_evaluate_recall_writes_the_summary(tmp_path, monkeypatch):
+    import dimattn.evaluation
+    from dimattn.recall import evaluate_recall, load_examples
+
+    s = RecallSettings(**SMALL)
+    write_recall_corpus(s, tmp_path / "r")
+    test_bin = tmp_path / "r/tokens/test.bin"
+    model_dir = tmp_path / "recall-dar-w4-d4"
+    _saved_tiny_model(model_dir, s.vocab_size, s.seq_len)
+    result = evaluate_recall(model_dir, test_bin, tmp_path / "out.json", batch_size=5, corpus="recall")
+    assert json.loads((tmp_path / "out.json").read_text()) == result
+    assert result["run"] == "recall-dar-w4-d4" and result["variant"] == "dar"
+    assert result["d_down"] == 4 and result["window"] == 4
+    assert result["corpus"] == "recall" and result["split"] == "test"
+    assert result["n_queries"] == s.n_test * s.queries and 0 <= result["accuracy"] <= 1
+    assert result["chance"] == 1 / s.n_values
+    bins = result["by_distance"]
+    assert sum(b["n"] for b in bins) == result["n_queries"]
+    assert bins[0]["min_distance"] == s.min_distance and bins[-1]["max_distance"] == s.max_distance
+    assert all(a["max_distance"] + 1 == b["min_distance"] for a, b in zip(bins, bins[1:]))
+
+    # an oracle (the next token, everywhere) recalls everything, in every bin
+    def stand_in(model):
+        model.config = types.SimpleNamespace(vocab_size=s.vocab_size)  # what evaluate_recall checks
+        return lambda d, device="cpu": model
+
+    monkeypatch.setattr(dimattn.evaluation, "load_model", stand_in(Oracle(s.vocab_size)))
+    perfect = evaluate_recall(model_dir, test_bin, tmp_path / "oracle.json", batch_size=3,
+                              distance_bins=[s.min_distance, 20, s.max_distance + 1])
+    assert perfect["accuracy"] == 1.0 and [b["accuracy"] for b in perfect["by_distance"]] == [1.0, 1.0]
+    # a constant model scores the share of answers that happen to be its token
+    examples, meta = load_examples(test_bin)
+    targets = find_queries(examples, meta["recall"])[:, 3]
+    v = int(np.bincount(targets).argmax())
+    monkeypatch.setattr(dimattn.evaluation, "load_model", stand_in(Constant(s.vocab_size, v)))
+    const = evaluate_recall(model_dir, test_bin, tmp_path / "const.json", batch_size=4)
+    assert const["accuracy"] == pytest.approx((targets == v).mean()) and const["accuracy"] < 1
+
+
+def test_evaluate_recall_refuses_a_corpus_that_breaks_the_layout(tmp_path):
+    from dimattn.recall import evaluate_recall
+
+    s = RecallSettings(**SMALL)
+    write_recall_corpus(s, tmp_path / "r")
+    path = tmp_path / "r/tokens/test.bin"
+    x = np.fromfile(path, dtype=np.uint16).reshape(-1, s.seq_len)
+    q = find_queries(x.astype(np.int64), s.layout())
+    x[q[0, 0], q[0, 1] + 1] = s.value_start + (x[q[0, 0], q[0, 1] + 1] - s.value_start + 1) % s.n_values
+    x.tofile(path)  # one answer no longer matches its pair
+    _saved_tiny_model(tmp_path / "m", s.vocab_size, s.seq_len)
+    with pytest.raises(DataError, match="break the recall layout"):
+        evaluate_recall(tmp_path / "m", path, tmp_path / "out.json", batch_size=4)
+    assert not (tmp_path / "out.json").exists()
