@@ -28,6 +28,6 @@ test: install
 figures: install
 	$(BIN)/snakemake --cores 1 figures
 
-clean:
-	rm -rf results/data results/tokenizer results/models results/checkpoints results/eval \
-		results/dimpo results/lm_eval_tasks results/summary results/tables results/figures logs
+# Every output folder of the workflow, as dimattn.paths lays them out (results/README.md stays).
+clean: install
+	rm -rf $$($(BIN)/python -m dimattn.paths)

@@ -21,4 +21,4 @@ include: "rules/report.smk"
 
 rule all:
     input:
-        all_outputs(),
+        report_targets(),

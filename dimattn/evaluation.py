@@ -5,20 +5,25 @@ that the workflow writes itself from the held-out split (so the default run stay
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
-from .atomic import atomic_dir, atomic_file
+from .atomic import atomic_file
 from .data import load_tokens, read_documents
-from .runs import run_metadata  # noqa: F401  (re-exported: the eval JSONs carry it)
+from .runs import run_metadata
 
+# The workflow's own lm-eval tasks: YAMLs in TASKS_DIR, data written by write_lm_eval_data.
+TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 HELDOUT_TASK = "dimattn_heldout"  # loglikelihood_rolling over held-out documents
-NEXT_LINE_TASK = "dimattn_next_line"  # 4-way choice of the true next verse line
+NEXT_LINE_TASK = "dimattn_next_line"  # 4-way choice of the true next line
+MIN_DOC_CHARS = 1500  # a held-out document: paragraphs grouped to at least this many characters
+MIN_LINE_CHARS = 20  # a next-line candidate: at least this long
+CONTEXT_LINES = 4  # lines of context before the line to choose
 
 
 def load_model(model_dir: Path, device: str = "cpu"):
@@ -74,32 +79,32 @@ def _chunks(text: str, min_chars: int) -> list[str]:
     return docs
 
 
-def _verse_lines(text: str) -> list[str]:
-    """Lines of spoken text: skip speaker names (all caps), stage directions and short lines."""
-    lines = []
-    for line in text.splitlines():
-        s = line.strip()
-        if len(s) < 20 or s.isupper() or s.startswith("[") or s.startswith("ACT") or s.startswith("SCENE"):
-            continue
-        lines.append(s)
-    return lines
+def _lines(text: str, skip_lines: str | None) -> list[str]:
+    """Lines of running text: skip short lines, all-caps lines (headings, speaker names),
+    bracketed stage directions, and lines matching the corpus's own ``skip_lines`` pattern
+    (evaluation.lm_eval.skip_lines: Shakespeare's "ACT"/"SCENE" headings)."""
+    skip = re.compile(skip_lines) if skip_lines else None
+    return [s for s in (line.strip() for line in text.splitlines())
+            if len(s) >= MIN_LINE_CHARS and not s.isupper() and not s.startswith("[")
+            and not (skip and skip.search(s))]
 
 
-def build_lm_eval_data(test_jsonl: Path, heldout_docs: int, next_line_docs: int, min_chars: int,
-                       context_lines: int, seed: int) -> dict[str, list[dict]]:
+def build_lm_eval_data(test_jsonl: Path, heldout_docs: int, next_line_docs: int, skip_lines: str | None,
+                       seed: int) -> dict[str, list[dict]]:
+    """The rows of each task: held-out documents, and next-line choices from each work's lines."""
     rng = random.Random(seed)
     works = list(read_documents(test_jsonl))
-    heldout = [d for w in works for d in _chunks(w["text"], min_chars)]
+    heldout = [d for w in works for d in _chunks(w["text"], MIN_DOC_CHARS)]
     rng.shuffle(heldout)
     next_line = []
     for w in works:
-        lines = _verse_lines(w["text"])
-        for i in range(context_lines, len(lines)):
+        lines = _lines(w["text"], skip_lines)
+        for i in range(CONTEXT_LINES, len(lines)):
             distractors = rng.sample([l for j, l in enumerate(lines) if j != i], 3)
             choices = [lines[i]] + distractors
             rng.shuffle(choices)
             next_line.append({
-                "context": "\n".join(lines[i - context_lines : i]),
+                "context": "\n".join(lines[i - CONTEXT_LINES : i]),
                 "choices": choices,
                 "label": choices.index(lines[i]),
             })
@@ -107,70 +112,30 @@ def build_lm_eval_data(test_jsonl: Path, heldout_docs: int, next_line_docs: int,
     return {HELDOUT_TASK: [{"text": t} for t in heldout[:heldout_docs]], NEXT_LINE_TASK: next_line[:next_line_docs]}
 
 
-def task_yamls(data_files: dict[str, Path]) -> dict[str, dict]:
-    """lm-eval task configs over local JSONL files (the `json` builder of `datasets`, offline)."""
-    common = {"dataset_path": "json", "test_split": "test"}
-    return {
-        HELDOUT_TASK: {
-            **common,
-            "task": HELDOUT_TASK,
-            "dataset_kwargs": {"data_files": {"test": str(data_files[HELDOUT_TASK])}},
-            "output_type": "loglikelihood_rolling",
-            "doc_to_text": "",
-            "doc_to_target": "{{text}}",
-            "metric_list": [
-                {"metric": "word_perplexity"},
-                {"metric": "byte_perplexity"},
-                {"metric": "bits_per_byte"},
-            ],
-            "metadata": {"version": 1.0},
-        },
-        NEXT_LINE_TASK: {
-            **common,
-            "task": NEXT_LINE_TASK,
-            "dataset_kwargs": {"data_files": {"test": str(data_files[NEXT_LINE_TASK])}},
-            "output_type": "multiple_choice",
-            "doc_to_text": "{{context}}\n",
-            "doc_to_choice": "{{choices}}",
-            "doc_to_target": "{{label}}",
-            "metric_list": [
-                {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-                {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
-            ],
-            "metadata": {"version": 1.0},
-        },
-    }
-
-
-def write_lm_eval_tasks(test_jsonl: Path, out_dir: Path, heldout_docs: int = 64, next_line_docs: int = 200,
-                        min_chars: int = 1500, context_lines: int = 4, seed: int = 0) -> list[str]:
-    out_dir = Path(out_dir).resolve()
-    data = build_lm_eval_data(test_jsonl, heldout_docs, next_line_docs, min_chars, context_lines, seed)
-    files = {name: out_dir / f"{name}.jsonl" for name in data}  # YAMLs name the final paths
-    with atomic_dir(out_dir) as tmp:
-        for name, rows in data.items():
-            if not rows:
-                raise ValueError(f"lm-eval task {name}: no documents could be built from {test_jsonl}")
-            with open(tmp / f"{name}.jsonl", "w") as f:
+def write_lm_eval_data(test_jsonl: Path, out_files: dict[str, Path], heldout_docs: int, next_line_docs: int,
+                       skip_lines: str | None, seed: int) -> None:
+    """The JSONL files that the task YAMLs of ``TASKS_DIR`` read, one per task (``out_files``)."""
+    data = build_lm_eval_data(test_jsonl, heldout_docs, next_line_docs, skip_lines, seed)
+    for name, rows in data.items():
+        if not rows:
+            raise ValueError(f"lm-eval task {name}: no documents could be built from {test_jsonl}")
+    for name, rows in data.items():
+        with atomic_file(Path(out_files[name])) as tmp:
+            with open(tmp, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
-        for name, cfg in task_yamls(files).items():
-            (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return sorted(data)
 
 
-def run_lm_eval(model_dir: Path, tasks: list[dict], tasks_dir: Path | None, batch_size: int, limit: int | None,
-                out_json: Path, device: str = "cpu", dtype: str = "float32") -> dict:
-    """Evaluate with lm-eval's own `hf` model; tasks = [{"name": ..., "num_fewshot": ...}]."""
+def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
+                device: str = "cpu", dtype: str = "float32") -> dict:
+    """Evaluate with lm-eval's own `hf` model; tasks = [{"name": ..., "num_fewshot": ...}], ours
+    (TASKS_DIR, run from the workflow directory) or lm-eval's."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     # Indexing lm-eval's thousands of built-in task files takes most of a CPU run: skip it
-    # when every task asked for is one the workflow wrote.
-    own = {p.stem for p in Path(tasks_dir).glob("*.yaml")} if tasks_dir else set()
-    manager = TaskManager(
-        include_path=str(tasks_dir) if tasks_dir else None,
-        include_defaults=any(t["name"] not in own for t in tasks),
-    )
+    # when every task asked for is one of ours.
+    own = {p.stem for p in TASKS_DIR.glob("*.yaml")}
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=any(t["name"] not in own for t in tasks))
     results, configs = {}, {}
     for shots in sorted({t.get("num_fewshot", 0) for t in tasks}):
         names = [t["name"] for t in tasks if t.get("num_fewshot", 0) == shots]

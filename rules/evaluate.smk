@@ -3,14 +3,14 @@
 
 rule perplexity:
     input:
-        model=f"{MODELS}/{{run}}",
-        tokens=tokens("{dataset}", "test"),
+        model=paths.model("{run}"),
+        tokens=paths.tokens("{dataset}", "test"),
     output:
-        f"{EVAL}/{{run}}/perplexity_{{dataset}}.json",
+        paths.perplexity("{run}", "{dataset}"),
     log:
-        f"{LOGS}/evaluate/perplexity_{{run}}_{{dataset}}.log",
+        paths.log("evaluate", "perplexity_{run}_{dataset}"),
     benchmark:
-        f"{BENCH}/evaluate/perplexity_{{run}}_{{dataset}}.tsv"
+        paths.bench("evaluate", "perplexity_{run}_{dataset}")
     conda:
         "../envs/torch.yaml"
     threads: 1
@@ -19,26 +19,26 @@ rule perplexity:
         mem_mb=lambda wc, attempt: 4000 * attempt,
         gpu=gpu_count(),
     params:
-        seq_len=lambda wc: RUNS[wc.run]["training"]["seq_len"],
-        batch_size=config["evaluation"].get("perplexity", {}).get("batch_size", 8),
-        max_tokens=config["evaluation"].get("perplexity", {}).get("max_tokens"),
-        device=config["device"],
+        seq_len=lambda wc: RUNS[wc.run].training["seq_len"],
+        batch_size=PLAN.config["evaluation"]["perplexity"]["batch_size"],
+        max_tokens=PLAN.config["evaluation"]["perplexity"]["max_tokens"],
+        device=PLAN.config["device"],
     script:
         "../workflow_scripts/perplexity.py"
 
 
 rule recall:
     input:
-        model=f"{MODELS}/{{run}}",
-        tokens=tokens("{dataset}", "test"),
+        model=paths.model("{run}"),
+        tokens=paths.tokens("{dataset}", "test"),
     output:
-        f"{EVAL}/{{run}}/recall_{{dataset}}.json",
+        paths.recall("{run}", "{dataset}"),
     log:
-        f"{LOGS}/evaluate/recall_{{run}}_{{dataset}}.log",
+        paths.log("evaluate", "recall_{run}_{dataset}"),
     benchmark:
-        f"{BENCH}/evaluate/recall_{{run}}_{{dataset}}.tsv"
+        paths.bench("evaluate", "recall_{run}_{dataset}")
     wildcard_constraints:
-        dataset=one_of(synthetic_datasets()),
+        dataset=one_of(PLAN.synthetic_datasets),
     conda:
         "../envs/torch.yaml"
     threads: 1
@@ -47,22 +47,24 @@ rule recall:
         mem_mb=lambda wc, attempt: 4000 * attempt,
         gpu=gpu_count(),
     params:
-        batch_size=config["evaluation"].get("recall", {}).get("batch_size", 32),
-        device=config["device"],
+        batch_size=PLAN.config["evaluation"]["recall"]["batch_size"],
+        device=PLAN.config["device"],
         corpus=lambda wc: wc.dataset,
     script:
         "../workflow_scripts/recall.py"
 
 
-rule write_lm_eval_tasks:
+# The data of the workflow's own lm-eval tasks (YAMLs in dimattn/lm_eval_tasks).
+rule write_lm_eval_data:
     input:
-        test=lambda wc: documents(lm_eval_config()["write_tasks_from"], "test"),
+        test=lambda wc: paths.documents(PLAN.lm_eval["write_tasks_from"], "test"),
     output:
-        directory("results/lm_eval_tasks"),
+        heldout=paths.lm_eval_data("dimattn_heldout"),
+        next_line=paths.lm_eval_data("dimattn_next_line"),
     log:
-        f"{LOGS}/evaluate/write_lm_eval_tasks.log",
+        paths.log("evaluate", "write_lm_eval_data"),
     benchmark:
-        f"{BENCH}/evaluate/write_lm_eval_tasks.tsv"
+        paths.bench("evaluate", "write_lm_eval_data")
     conda:
         "../envs/lm_eval.yaml"
     threads: 1
@@ -70,24 +72,24 @@ rule write_lm_eval_tasks:
         runtime=10,
         mem_mb=2000,
     params:
-        heldout_docs=lm_eval_config().get("heldout_docs", 32),
-        next_line_docs=lm_eval_config().get("next_line_docs", 200),
+        heldout_docs=PLAN.lm_eval["heldout_docs"],
+        next_line_docs=PLAN.lm_eval["next_line_docs"],
+        skip_lines=PLAN.lm_eval["skip_lines"],
+        seed=PLAN.lm_eval["seed"],
     script:
-        "../workflow_scripts/write_lm_eval_tasks.py"
+        "../workflow_scripts/write_lm_eval_data.py"
 
 
 rule lm_eval:
     input:
-        model=f"{MODELS}/{{run}}",
-        tasks=(
-            "results/lm_eval_tasks" if lm_eval_config().get("write_tasks_from") else []
-        ),
+        model=paths.model("{run}"),
+        data=lm_eval_data_files(),
     output:
-        f"{EVAL}/{{run}}/lm_eval.json",
+        paths.lm_eval("{run}"),
     log:
-        f"{LOGS}/evaluate/lm_eval_{{run}}.log",
+        paths.log("evaluate", "lm_eval_{run}"),
     benchmark:
-        f"{BENCH}/evaluate/lm_eval_{{run}}.tsv"
+        paths.bench("evaluate", "lm_eval_{run}")
     conda:
         "../envs/lm_eval.yaml"
     threads: 1
@@ -96,9 +98,9 @@ rule lm_eval:
         mem_mb=lambda wc, attempt: 8000 * attempt,
         gpu=gpu_count(),
     params:
-        tasks=lm_eval_config().get("tasks", []),
-        batch_size=lm_eval_config().get("batch_size", 8),
-        limit=lm_eval_config().get("limit"),
-        device=config["device"],
+        tasks=PLAN.lm_eval["tasks"],
+        batch_size=PLAN.lm_eval["batch_size"],
+        limit=PLAN.lm_eval["limit"],
+        device=PLAN.config["device"],
     script:
         "../workflow_scripts/lm_eval.py"

@@ -5,8 +5,7 @@
 
 # (processes a node, nodes) of each run.
 PRETRAIN_LAYOUT = {
-    run: (spec["resources"].get("nproc", 1), spec["resources"].get("nodes", 1))
-    for run, spec in RUNS.items()
+    name: (run.resources["nproc"], run.resources["nodes"]) for name, run in RUNS.items()
 }
 
 
@@ -16,17 +15,17 @@ rule pretrain:
         validation=run_tokens("validation"),
         tokenizer=run_tokenizer,
     output:
-        directory(f"{MODELS}/{{run}}"),
+        directory(paths.model("{run}")),
     log:
-        f"{LOGS}/pretrain/{{run}}.log",
+        paths.log("pretrain", "{run}"),
     benchmark:
-        f"{BENCH}/pretrain/{{run}}.tsv"
+        paths.bench("pretrain", "{run}")
     conda:
         "../envs/torch.yaml"
-    threads: lambda wc: RUNS[wc.run]["resources"].get("threads", 1)
+    threads: lambda wc: RUNS[wc.run].resources["threads"]
     resources:
-        runtime=run_resources("runtime", 30),
-        mem_mb=run_resources("mem_mb", 4000),
+        runtime=run_resource("runtime"),
+        mem_mb=run_resource("mem_mb"),
         # One GPU a process. On one node the SLURM plugin's --gpus (a job total); on several,
         # gres per node, since SLURM may spread a job total unevenly over the nodes.
         gpu=lambda wc: (
@@ -51,8 +50,8 @@ rule pretrain:
         ),
     params:
         spec=run_spec,
-        checkpoint_dir=lambda wc: f"results/checkpoints/{wc.run}",
-        device=config["device"],
+        checkpoint_dir=lambda wc: paths.checkpoints(wc.run),
+        device=PLAN.config["device"],
         nproc=lambda wc: PRETRAIN_LAYOUT[wc.run][0],
         nodes=lambda wc: PRETRAIN_LAYOUT[wc.run][1],
     script:

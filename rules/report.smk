@@ -1,36 +1,50 @@
-# Reporting: tidy CSV summaries, then LaTeX tables and figures from them alone.
+# Reporting (dimattn.reporting): raw outputs -> tidy CSV summaries (summarize_*), then LaTeX
+# tables and PNG figures from the summaries alone (render_*, one rule per report category).
+# Which summaries and outputs exist is dimattn.reporting.outputs' call, from the planned runs.
+
+import functools
+
+from dimattn.reporting import outputs
+
+REPORT_ASKS = dict(
+    runs=[run.fields for run in PLAN.runs.values()],
+    lm_eval=bool(PLAN.lm_eval_runs),
+    dimpo=PLAN.dimpo_enabled,
+)
+SUMMARIES = outputs.wanted_summaries(**REPORT_ASKS)
+REPORTED = outputs.wanted(**REPORT_ASKS)
+# report_targets(): every summary CSV and every table and figure (the Snakefile's `rule all`).
+report_targets = functools.partial(outputs.targets, **REPORT_ASKS)
 
 
 rule summarize_perplexity:
     input:
         perplexity_files(),
     output:
-        f"{SUMMARY}/dar_perplexity.csv",
+        paths.summary("dar_perplexity"),
     log:
-        f"{LOGS}/report/summarize_perplexity.log",
+        paths.log("report", "summarize_perplexity"),
     benchmark:
-        f"{BENCH}/report/summarize_perplexity.tsv"
+        paths.bench("report", "summarize_perplexity")
     conda:
         "../envs/report.yaml"
     threads: 1
     resources:
         runtime=5,
         mem_mb=1000,
-    params:
-        synthetic=synthetic_datasets(),
     script:
         "../workflow_scripts/summarize.py"
 
 
 rule summarize_trajectory:
     input:
-        expand(f"{MODELS}/{{run}}", run=RUNS),
+        model_dirs(),
     output:
-        f"{SUMMARY}/dar_trajectory.csv",
+        paths.summary("dar_trajectory"),
     log:
-        f"{LOGS}/report/summarize_trajectory.log",
+        paths.log("report", "summarize_trajectory"),
     benchmark:
-        f"{BENCH}/report/summarize_trajectory.tsv"
+        paths.bench("report", "summarize_trajectory")
     conda:
         "../envs/report.yaml"
     threads: 1
@@ -38,20 +52,20 @@ rule summarize_trajectory:
         runtime=5,
         mem_mb=1000,
     params:
-        datasets={run: spec["dataset"] for run, spec in RUNS.items()},
+        datasets={name: run.dataset for name, run in PLAN.runs.items()},
     script:
         "../workflow_scripts/summarize.py"
 
 
 rule summarize_lm_eval:
     input:
-        expand(f"{EVAL}/{{run}}/lm_eval.json", run=lm_eval_runs()),
+        lm_eval_files(),
     output:
-        f"{SUMMARY}/lm_eval.csv",
+        paths.summary("lm_eval"),
     log:
-        f"{LOGS}/report/summarize_lm_eval.log",
+        paths.log("report", "summarize_lm_eval"),
     benchmark:
-        f"{BENCH}/report/summarize_lm_eval.tsv"
+        paths.bench("report", "summarize_lm_eval")
     conda:
         "../envs/report.yaml"
     threads: 1
@@ -62,16 +76,16 @@ rule summarize_lm_eval:
         "../workflow_scripts/summarize.py"
 
 
-# One row per recall run and distance bin, plus its overall accuracy (dimattn.reporting.summarize_recall).
+# One row per recall run and distance bin, plus its overall accuracy.
 rule summarize_recall:
     input:
         recall_files(),
     output:
-        f"{SUMMARY}/recall.csv",
+        paths.summary("recall"),
     log:
-        f"{LOGS}/report/summarize_recall.log",
+        paths.log("report", "summarize_recall"),
     benchmark:
-        f"{BENCH}/report/summarize_recall.tsv"
+        paths.bench("report", "summarize_recall")
     conda:
         "../envs/report.yaml"
     threads: 1
@@ -84,18 +98,13 @@ rule summarize_recall:
 
 rule summarize_fidelity:
     input:
-        expand(
-            f"{DIMPO}/{{model}}/fidelity/{{objective}}-d{{d_prime}}.csv",
-            model=dimpo_models(),
-            objective=config.get("dimpo", {}).get("objectives", []),
-            d_prime=config.get("dimpo", {}).get("d_prime", []),
-        ),
+        fidelity_files(),
     output:
-        f"{SUMMARY}/dimpo_fidelity.csv",
+        paths.summary("dimpo_fidelity"),
     log:
-        f"{LOGS}/report/summarize_fidelity.log",
+        paths.log("report", "summarize_fidelity"),
     benchmark:
-        f"{BENCH}/report/summarize_fidelity.tsv"
+        paths.bench("report", "summarize_fidelity")
     conda:
         "../envs/report.yaml"
     threads: 1
@@ -106,68 +115,48 @@ rule summarize_fidelity:
         "../workflow_scripts/summarize.py"
 
 
-rule render_dar_report:
-    input:
-        [f for f in summary_files() if "dimpo" not in f],
-    output:
-        [
-            report(path, caption=dar_report_caption(path), category="DAR")
-            for path in dar_report_files()
-        ],
-    log:
-        f"{LOGS}/report/render_dar.log",
-    benchmark:
-        f"{BENCH}/report/render_dar.tsv"
-    conda:
-        "../envs/report.yaml"
-    threads: 1
-    resources:
-        runtime=5,
-        mem_mb=2000,
-    params:
-        group="dar",
-        reference_dir=config["reference_dir"],
-    script:
-        "../workflow_scripts/render.py"
+# render_dar, render_baselines, render_recall, render_lm_eval, render_dimpo: each declares
+# exactly the category's wanted outputs and reads the summaries they need.
+for category, names in outputs.by_category(REPORTED).items():
+    slug = category.lower().replace("-", "_")
+
+    rule:
+        name:
+            f"render_{slug}"
+        input:
+            [paths.summary(s) for s in outputs.reads(names, SUMMARIES)],
+        output:
+            [
+                report(
+                    outputs.OUTPUTS[name].path,
+                    caption=f"../report/{outputs.OUTPUTS[name].caption}.rst",
+                    category=category,
+                )
+                for name in names
+            ],
+        log:
+            paths.log("report", f"render_{slug}"),
+        benchmark:
+            paths.bench("report", f"render_{slug}")
+        conda:
+            "../envs/report.yaml"
+        threads: 1
+        resources:
+            runtime=5,
+            mem_mb=2000,
+        params:
+            outputs=names,
+            reference_dir=PLAN.config["reference_dir"],
+        script:
+            "../workflow_scripts/render.py"
 
 
-rule render_dimpo_report:
-    input:
-        f"{SUMMARY}/dimpo_fidelity.csv",
-    output:
-        report(
-            f"{TABLES}/dimpo_fidelity.tex",
-            caption="../report/dimpo_fidelity.rst",
-            category="DimPO",
-        ),
-        report(
-            f"{FIGURES}/dimpo_fidelity.png",
-            caption="../report/dimpo_fidelity.rst",
-            category="DimPO",
-        ),
-    log:
-        f"{LOGS}/report/render_dimpo.log",
-    benchmark:
-        f"{BENCH}/report/render_dimpo.tsv"
-    conda:
-        "../envs/report.yaml"
-    threads: 1
-    resources:
-        runtime=5,
-        mem_mb=2000,
-    params:
-        group="dimpo",
-        reference_dir=config["reference_dir"],
-    script:
-        "../workflow_scripts/render.py"
-
-
-# `snakemake figures`: re-render every table and figure from the summaries that exist, with no
+# `snakemake figures`: re-render every table and figure the summaries on disk call for, with no
 # training. It declares no input on purpose, so Snakemake never schedules upstream jobs for it,
 # and no output (not even a benchmark file), so it runs whenever it is asked for.
 rule figures:
     log:
-        f"{LOGS}/report/figures.log",
+        paths.log("report", "figures"),
     conda:
         "../envs/report.yaml"
     threads: 1
@@ -175,10 +164,8 @@ rule figures:
         runtime=5,
         mem_mb=2000,
     params:
-        group="all",
-        summary_dir=SUMMARY,
-        tables_dir=TABLES,
-        figures_dir=FIGURES,
-        reference_dir=config["reference_dir"],
+        summary_dir=paths.SUMMARY,
+        results_dir=paths.RESULTS,
+        reference_dir=PLAN.config["reference_dir"],
     script:
         "../workflow_scripts/render.py"

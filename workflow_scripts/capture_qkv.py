@@ -10,8 +10,8 @@ with logged(snakemake):
     capture_to_file(
         source=snakemake.params.source,
         documents=Path(snakemake.input.documents),
-        seq_len=cfg.get("seq_len", 256),
-        n_sequences=cfg.get("fit_sequences" if purpose == "fit" else "eval_sequences", 16),
+        seq_len=cfg["seq_len"],
+        n_sequences=cfg["fit_sequences" if purpose == "fit" else "eval_sequences"],
         out_path=Path(snakemake.output[0]),
         model_name=snakemake.wildcards.model,
         device=snakemake.params.device,

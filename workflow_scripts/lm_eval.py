@@ -8,7 +8,6 @@ with logged(snakemake):
     run_lm_eval(
         model_dir=Path(snakemake.input.model),
         tasks=snakemake.params.tasks,
-        tasks_dir=Path(snakemake.input.tasks) if snakemake.input.tasks else None,
         batch_size=snakemake.params.batch_size,
         limit=snakemake.params.limit,
         out_json=Path(snakemake.output[0]),

@@ -3,19 +3,13 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn import reporting
+    from dimattn.reporting import outputs
 
-    group, reference = snakemake.params.group, Path(snakemake.params.reference_dir)
-    if group == "all":  # the `figures` target: whatever summaries exist
-        p = snakemake.params
-        reporting.render_all(Path(p.summary_dir), reference, Path(p.tables_dir), Path(p.figures_dir))
-    else:
-        outputs = [Path(p) for p in snakemake.output]
-        summary_dir = Path(snakemake.input[0]).parent
-        tables = next(p.parent for p in outputs if p.suffix == ".tex")
-        figures = next(p.parent for p in outputs if p.suffix == ".png")
-        if group == "dar":
-            # Exactly the declared outputs; one whose runs are absent becomes a "not run" placeholder.
-            reporting.render_dar(summary_dir, reference, tables, figures, only=[p.name for p in outputs])
-        else:
-            reporting.render_dimpo(summary_dir, reference, tables, figures)
+    p = snakemake.params
+    if snakemake.rule == "figures":  # every output the summaries on disk call for
+        outputs.render_existing(Path(p.summary_dir), Path(p.reference_dir), Path(p.results_dir))
+    else:  # exactly the rule's outputs (names relative to results/), from its input summaries alone
+        summaries = [Path(s) for s in snakemake.input]
+        results_dir = Path(snakemake.output[0]).parents[len(Path(p.outputs[0]).parts) - 1]
+        outputs.render(p.outputs, summaries[0].parent, Path(p.reference_dir), results_dir,
+                       available=[s.stem for s in summaries])

@@ -3,14 +3,14 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn import reporting
+    from dimattn.reporting import summaries
 
     summarize = {
-        "summarize_perplexity": reporting.summarize_perplexity,
-        "summarize_trajectory": reporting.summarize_trajectory,
-        "summarize_lm_eval": reporting.summarize_lm_eval,
-        "summarize_recall": reporting.summarize_recall,
-        "summarize_fidelity": reporting.summarize_fidelity,
+        "summarize_perplexity": summaries.summarize_perplexity,
+        "summarize_trajectory": summaries.summarize_trajectory,
+        "summarize_lm_eval": summaries.summarize_lm_eval,
+        "summarize_recall": summaries.summarize_recall,
+        "summarize_fidelity": summaries.summarize_fidelity,
     }[snakemake.rule]
-    # params are keyword arguments: synthetic (perplexity), datasets (trajectory)
+    # params are keyword arguments: datasets (trajectory)
     summarize([Path(p) for p in snakemake.input], Path(snakemake.output[0]), **dict(snakemake.params.items()))

@@ -6,8 +6,8 @@ with logged(snakemake):
     from dimattn.data import save_hub_tokenizer, train_tokenizer
 
     cfg, out_dir = snakemake.params.tokenizer, Path(snakemake.output[0])
-    max_len = cfg.get("model_max_length", 2048)
-    if cfg.get("hub"):
+    max_len = cfg["model_max_length"]
+    if cfg["hub"]:
         save_hub_tokenizer(cfg["hub"], out_dir, max_len)
     else:
-        train_tokenizer(Path(snakemake.input.train), cfg.get("vocab_size", 8192), out_dir, max_len)
+        train_tokenizer(Path(snakemake.input.train), cfg["vocab_size"], out_dir, max_len)

@@ -1,0 +1,141 @@
+"""The results/ layout: every path a rule writes, built here and nowhere else.
+
+Each function takes names or Snakemake wildcard patterns ("{run}") alike, so the rules, the
+scripts, the tests and ``make clean`` (``python -m dimattn.paths``) share one layout. Paths are
+relative to the workflow's working directory. No torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+RESULTS = "results"
+DATA = f"{RESULTS}/data"
+MODELS = f"{RESULTS}/models"
+CHECKPOINTS = f"{RESULTS}/checkpoints"
+EVAL = f"{RESULTS}/eval"
+DIMPO = f"{RESULTS}/dimpo"
+SUMMARY = f"{RESULTS}/summary"
+TABLES = f"{RESULTS}/tables"
+FIGURES = f"{RESULTS}/figures"
+SHARED_TOKENIZER = f"{RESULTS}/tokenizer"
+LM_EVAL_DATA = f"{RESULTS}/lm_eval_data"
+DOWNLOADS = "resources/downloads"
+LOGS = "logs"
+BENCH = "benchmarks/snakemake"
+SPLITS = ("train", "validation", "test")
+
+# What a run of the workflow writes; `make clean` removes exactly these.
+OUTPUT_DIRS = (DATA, SHARED_TOKENIZER, MODELS, CHECKPOINTS, EVAL, DIMPO, LM_EVAL_DATA, SUMMARY, TABLES,
+               FIGURES, LOGS, BENCH)
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+
+def download(dataset: str) -> str:
+    return f"{DOWNLOADS}/{dataset}.tar.gz"
+
+
+def documents_dir(dataset: str) -> str:
+    return f"{DATA}/{dataset}/documents"
+
+
+def documents(dataset: str, split: str) -> str:
+    return f"{documents_dir(dataset)}/{split}.jsonl"
+
+
+def tokens(dataset: str, split: str) -> str:
+    return f"{DATA}/{dataset}/tokens/{split}.bin"
+
+
+def tokens_meta(dataset: str, split: str) -> str:
+    return f"{DATA}/{dataset}/tokens/{split}.json"
+
+
+def dataset_dir(dataset: str) -> str:
+    return f"{DATA}/{dataset}"
+
+
+def tokenizer(dataset: str, synthetic: bool) -> str:
+    """Text corpora share one tokenizer; a synthetic corpus writes its own vocabulary."""
+    return f"{DATA}/{dataset}/tokenizer" if synthetic else SHARED_TOKENIZER
+
+
+# --- pretraining and evaluation -----------------------------------------------------------------
+
+
+def model(run: str) -> str:
+    return f"{MODELS}/{run}"
+
+
+def checkpoints(run: str) -> str:
+    """Not a Snakemake output: a killed or retried job resumes from here."""
+    return f"{CHECKPOINTS}/{run}"
+
+
+def eval_dir(run: str) -> str:
+    return f"{EVAL}/{run}"
+
+
+def perplexity(run: str, dataset: str) -> str:
+    return f"{EVAL}/{run}/perplexity_{dataset}.json"
+
+
+def recall(run: str, dataset: str) -> str:
+    return f"{EVAL}/{run}/recall_{dataset}.json"
+
+
+def lm_eval(run: str) -> str:
+    return f"{EVAL}/{run}/lm_eval.json"
+
+
+def lm_eval_data(task: str) -> str:
+    """The JSONL a task YAML of dimattn/lm_eval_tasks reads (its data_files name this path)."""
+    return f"{LM_EVAL_DATA}/{task}.jsonl"
+
+
+# --- DimPO --------------------------------------------------------------------------------------
+
+
+def capture(model: str, purpose: str) -> str:
+    return f"{DIMPO}/{model}/capture_{purpose}.safetensors"
+
+
+def projection(model: str, objective: str, d_prime) -> str:
+    return f"{DIMPO}/{model}/projections/{objective}-d{d_prime}.safetensors"
+
+
+def fidelity(model: str, objective: str, d_prime) -> str:
+    return f"{DIMPO}/{model}/fidelity/{objective}-d{d_prime}.csv"
+
+
+# --- reporting ----------------------------------------------------------------------------------
+
+
+def summary(name: str) -> str:
+    return f"{SUMMARY}/{name}.csv"
+
+
+def table(name: str) -> str:
+    return f"{TABLES}/{name}.tex"
+
+
+def figure(name: str) -> str:
+    return f"{FIGURES}/{name}.png"
+
+
+# --- logs and Snakemake benchmark files ---------------------------------------------------------
+
+
+def log(stage: str, name: str) -> str:
+    return f"{LOGS}/{stage}/{name}.log"
+
+
+def bench(stage: str, name: str) -> str:
+    return f"{BENCH}/{stage}/{name}.tsv"
+
+
+if __name__ == "__main__":
+    # `python -m dimattn.paths`: the output folders, one a line, for `make clean`.
+    sys.stdout.write("\n".join(OUTPUT_DIRS) + "\n")

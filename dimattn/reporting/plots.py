@@ -1,0 +1,108 @@
+"""Shared matplotlib pieces: one colour and marker per variant and objective, the axes the
+figures share (log2 ratio axes, plain log y), and a figure context that saves a PNG atomically.
+
+Figures are drawn on ``matplotlib.figure.Figure`` with the Agg canvas (no pyplot state), in
+seaborn's whitegrid style, so one figure's settings never leak into the next.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from contextlib import contextmanager
+from fractions import Fraction
+from pathlib import Path
+
+import seaborn as sns
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+from ..atomic import atomic_file
+from .latex import fmt_fraction
+
+DPI = 150
+VARIANT_COLORS = {
+    "vanilla": "0.35",
+    "dar": "#1f77b4",
+    "uniform": "#d95f02",
+    "swa": "#1b9e77",
+    "dilated": "#7570b3",
+    "hybrid": "#e7298a",
+}
+VARIANT_MARKERS = {"vanilla": "^", "dar": "o", "uniform": "s", "swa": "D", "dilated": "v"}
+CHANCE_COLOR = "0.55"
+_CB = sns.color_palette("colorblind")
+# Fixed per objective, so a colour means the same objective in every panel and figure.
+OBJECTIVE_COLORS = {
+    "random": _CB[4],
+    "pca": _CB[1],
+    "triplet": _CB[5],
+    "cpo": _CB[3],
+    "simpo": _CB[6],
+    "orpo": _CB[9],
+    "dimpo": _CB[0],
+    "kl": _CB[2],
+}
+
+
+def kind_color(kind: tuple) -> str:
+    """A run kind's colour (``selection.kind``): the hybrids (SWA/dilated + full layers) get their own."""
+    attention, _, every, _ = kind
+    if attention in ("swa", "dilated") and every:
+        return VARIANT_COLORS["hybrid"]
+    return VARIANT_COLORS.get(attention, "0.2")
+
+
+@contextmanager
+def figure(path: Path, figsize: tuple[float, float]):
+    """Yield a new constrained-layout figure; when the block succeeds, save it to ``path`` as PNG."""
+    with sns.axes_style("whitegrid"), sns.plotting_context("notebook"):
+        fig = Figure(figsize=figsize, layout="constrained")
+        FigureCanvasAgg(fig)
+        yield fig
+        with atomic_file(Path(path)) as tmp:
+            fig.savefig(tmp, format="png", dpi=DPI, bbox_inches="tight")
+
+
+def panel_grid(n: int, max_cols: int = 3) -> tuple[int, int]:
+    """(columns, rows) for n panels."""
+    ncols = max(1, min(n, max_cols))
+    return ncols, math.ceil(n / ncols)
+
+
+def hide_unused(axes, n: int) -> None:
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+
+
+def plain_log_y(ax) -> None:
+    """Log y with plain numbers (0.003, not 3x10^-3); a few minor ticks labelled on short spans."""
+    ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    decades = math.log10(high / low) if low > 0 else 3
+    keep = {2, 3, 5} if decades < 1.2 else {3} if decades < 2.2 else set()
+
+    def minor(y, _):
+        mantissa = round(y / 10 ** math.floor(math.log10(y) + 1e-9), 6)
+        return f"{y:g}" if mantissa in keep else ""
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
+
+
+def log2_fraction_axis(ax, ratios: Iterable[Fraction], label: str, dim: int | None = None) -> None:
+    """Log2 x axis ticked at the ratios, as fractions; with dim, each tick also gives ratio * dim."""
+    ticks = sorted({float(r) for r in ratios})
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+
+    def tick(x, _):
+        frac = Fraction(x).limit_denominator(1024)
+        return fmt_fraction(frac) if dim is None else f"{fmt_fraction(frac)}\n({fmt_fraction(frac * dim)})"
+
+    ax.xaxis.set_major_formatter(FuncFormatter(tick))
+    if ticks:
+        ax.set_xlim(ticks[0] / 1.35, ticks[-1] * 1.35)
+    ax.set_xlabel(label)

@@ -1,0 +1,350 @@
+"""The first stage of reporting: raw outputs of the other stages -> tidy CSV summaries.
+
+Each ``summarize_*`` reads one kind of raw output and writes ``paths.summary(<name>)``:
+
+* ``dar_perplexity``: the perplexity JSON of every text run (``dimattn.evaluation``), for seed
+  000 Tables 1-3 and the baselines;
+* ``dar_trajectory``: each trained model's ``metrics.csv`` and ``config.json``, for seed 000
+  Figure 3 (it lists every run, text and synthetic, with its training dataset);
+* ``lm_eval``: lm-eval's results JSON per run, for seed 000 Table 4 and the lm-eval table;
+* ``recall``: the recall-probe JSON of every synthetic run (``dimattn.recall``);
+* ``dimpo_fidelity``: the fidelity CSV per (model, objective, d'), for seed 003 Table 1.
+
+Every row of a run carries its run fields (``dimattn.variants.RUN_FIELDS``: the config's names,
+a field its variant does not take left empty), so the renderers select runs by what they are.
+:func:`read` reads a summary back, checking that it has every column. Nothing here draws.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .. import variants
+from ..atomic import atomic_file
+from ..runs import run_metadata
+from .paper import OBJECTIVE_ORDER
+
+RUN_FIELDS = variants.RUN_FIELDS
+FIDELITY_COLUMNS = ["model", "objective", "d_prime", "head_dim", "layer", "kl", "mse"]
+COLUMNS = {
+    "dar_perplexity": RUN_FIELDS + ["corpus", "ppl", "rel_to_vanilla", "split", "n_tokens", "loss"],
+    "dar_trajectory": RUN_FIELDS + ["dataset", "step", "tokens", "val_loss", "val_ppl", "rel_to_vanilla"],
+    "lm_eval": RUN_FIELDS + ["task", "metric", "value", "stderr"],
+    "recall": RUN_FIELDS
+    + ["corpus", "split", "scope", "bin", "min_distance", "max_distance", "accuracy", "n", "chance"],
+    # An optional ``setting`` column (DimPO's k and lambda) follows these.
+    "dimpo_fidelity": FIDELITY_COLUMNS,
+}
+INT_COLUMNS = [
+    "hidden_size",
+    "d_down",
+    "window",
+    "dilation",
+    "full_attention_every",
+    "step",
+    "tokens",
+    "n_tokens",
+    "bin",
+    "min_distance",
+    "max_distance",
+    "n",
+    "d_prime",
+    "head_dim",
+    "layer",
+]
+# attention_layers "2.3" is a string, not the number 2.3.
+STR_COLUMNS = ["run", "attention", "bottleneck_activation", "attention_layers", "corpus", "split", "dataset", "scope"]
+
+
+# ----------------------------------------------------------------------------- reading back
+
+
+def _as_int(df: pd.DataFrame) -> pd.DataFrame:
+    """Nullable integers, so that 32 stays 32 in a CSV even when a column has NaN."""
+    for col in INT_COLUMNS:
+        if col in df.columns:
+            df[col] = pd.to_numeric(df[col], errors="coerce").round().astype("Int64")
+    return df
+
+
+def read(path: os.PathLike | str, name: str) -> pd.DataFrame:
+    """The summary ``name`` (a key of COLUMNS) at ``path``, typed; a ValueError names any column it lacks."""
+    df = _as_int(pd.read_csv(path, dtype={c: "string" for c in STR_COLUMNS}))
+    missing = [c for c in COLUMNS[name] if c not in df.columns]
+    if missing:
+        raise ValueError(
+            f"{path}: missing column(s) {missing}; expected at least {COLUMNS[name]}. "
+            "Regenerate the summaries with snakemake."
+        )
+    for col in STR_COLUMNS:
+        if col in df.columns:
+            df[col] = df[col].astype("string")
+    for col in ("split", "dataset"):  # "" (no split, no dataset given) reads back as NA
+        if col in df.columns:
+            df[col] = df[col].fillna("")
+    return _as_int(df)
+
+
+def _write_csv(df: pd.DataFrame, path: Path) -> None:
+    with atomic_file(Path(path)) as tmp:
+        df.to_csv(tmp, index=False)
+
+
+# ----------------------------------------------------------------------------- run fields
+
+
+def _run_fields(record: dict, source) -> dict:
+    """The run fields of a raw output (each carries ``dimattn.runs.run_metadata``), or a
+    ValueError naming the file."""
+    if record.get("run") is None:
+        raise ValueError(f"{source}: no 'run'; expected the fields of dimattn.runs.run_metadata")
+    try:
+        return variants.run_fields(record["run"], record)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def _sort_runs(df: pd.DataFrame, head: list[str], tail: list[str] = ()) -> pd.DataFrame:
+    """Vanilla first, then DAR, Uniform, SWA, dilated; plain runs before patterned ones; widest bottleneck first."""
+    df = df.assign(
+        _v=df["attention"].map(variants.VARIANT_ORDER.index),
+        _p=[not variants.is_plain(r) for r in df.to_dict("records")],
+        _dd=-df["d_down"].astype("Float64"),
+    )
+    order = head + ["hidden_size", "_v", "_p", "_dd", "window", "run", *tail]
+    df = df.sort_values(order, na_position="first", kind="stable")
+    return df.drop(columns=[c for c in df.columns if c.startswith("_")]).reset_index(drop=True)
+
+
+def _check_one_vanilla(vanilla: pd.DataFrame, keys: list[str]) -> None:
+    dup = vanilla[vanilla.duplicated(keys, keep=False)]
+    if not dup.empty:
+        raise ValueError(
+            f"more than one vanilla run for the same {', '.join(keys)}: {sorted(dup['run'].unique())}; "
+            "rel_to_vanilla needs exactly one baseline"
+        )
+
+
+def _relative_to_vanilla(df: pd.DataFrame, value: str, keys: list[str], scale: list[str], what: str) -> pd.DataFrame:
+    """df[rel_to_vanilla] = 100 * value / value(vanilla run with the same keys).
+
+    A scale (the ``scale`` columns, a subset of keys) without any vanilla run is allowed (seed 000
+    Table 4 trains a d = 2048 scale with DAR only): its rel_to_vanilla stays empty. A scale that
+    has a vanilla run for some keys but not for others is an error naming what lacks one.
+    """
+    vanilla = df.loc[df["attention"] == "vanilla", keys + ["run", value]]
+    _check_one_vanilla(vanilla, keys)
+    df = df.merge(vanilla.drop(columns="run").rename(columns={value: "_vanilla"}), on=keys, how="left")
+    has_vanilla = df[scale].apply(tuple, axis=1).isin(set(vanilla[scale].apply(tuple, axis=1)))
+    lacking = df[df["_vanilla"].isna() & has_vanilla]
+    if what == "corpus" and not lacking.empty:
+        first = lacking.iloc[0]
+        raise ValueError(
+            f"no vanilla run for corpus {first['corpus']!r} (hidden_size={first['hidden_size']}, "
+            f"split={first['split']!r}); runs {sorted(lacking['run'].unique())} need one to compute rel_to_vanilla"
+        )
+    df["rel_to_vanilla"] = 100.0 * df[value] / df["_vanilla"]
+    return df.drop(columns="_vanilla")
+
+
+# ----------------------------------------------------------------------------- summarize_*
+
+
+def summarize_perplexity(eval_jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
+    """One row per (text run, corpus); rel_to_vanilla = 100 * ppl / ppl(Vanilla, same hidden_size, corpus)."""
+    rows = []
+    for path in eval_jsons:
+        record = json.loads(Path(path).read_text())
+        missing = [k for k in ("corpus", "ppl") if k not in record]
+        if missing:
+            raise ValueError(f"{path}: perplexity record lacks {missing}")
+        rows.append(
+            _run_fields(record, path)
+            | {
+                "corpus": record["corpus"],
+                "ppl": float(record["ppl"]),
+                "split": record.get("split"),
+                "n_tokens": record.get("n_tokens"),
+                "loss": record.get("loss"),
+            }
+        )
+    if not rows:
+        raise ValueError("summarize_perplexity got no evaluation JSON files")
+    df = _as_int(pd.DataFrame(rows))
+    df["split"] = df["split"].fillna("")
+    df = _relative_to_vanilla(df, "ppl", ["hidden_size", "corpus", "split"], ["hidden_size"], "corpus")
+    df = _sort_runs(df, ["corpus", "split"])[COLUMNS["dar_perplexity"]]
+    _write_csv(df, out_csv)
+    return df
+
+
+def summarize_trajectory(
+    model_dirs: Iterable[os.PathLike | str], out_csv: os.PathLike | str, datasets: dict | None = None
+) -> pd.DataFrame:
+    """Validation perplexity per evaluated step, relative to Vanilla at the same step (seed 000 Fig. 3).
+
+    datasets: run -> the dataset it trained on (``Run.dataset``); the baseline is the vanilla
+    run of the same dataset and hidden_size. Without it, of the same hidden_size.
+    """
+    datasets = datasets or {}
+    frames = []
+    for model_dir in map(Path, model_dirs):
+        try:
+            fields = run_metadata(model_dir)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{model_dir}: {e}") from None
+        metrics = pd.read_csv(model_dir / "metrics.csv")
+        missing = [c for c in ("step", "tokens", "val_loss") if c not in metrics.columns]
+        if missing:
+            raise ValueError(f"{model_dir / 'metrics.csv'} lacks column(s) {missing}")
+        metrics["val_loss"] = pd.to_numeric(metrics["val_loss"], errors="coerce")
+        # A resumed run may log a step twice; the later line is the one that counts.
+        metrics = metrics.dropna(subset=["val_loss"]).drop_duplicates("step", keep="last")
+        fields["dataset"] = datasets.get(fields["run"], "")
+        frames.append(metrics[["step", "tokens", "val_loss"]].assign(**fields))
+    if not frames:
+        raise ValueError("summarize_trajectory got no model directories")
+    df = _as_int(pd.concat(frames, ignore_index=True))
+    df["val_ppl"] = np.exp(df["val_loss"])
+
+    scale = ["dataset", "hidden_size"]
+    missing = sorted(
+        set(map(tuple, df[scale].drop_duplicates().values))
+        - set(map(tuple, df.loc[df["attention"] == "vanilla", scale].drop_duplicates().values))
+    )
+    if missing and not datasets:
+        raise ValueError(
+            f"no vanilla run with hidden_size={missing[0][1]} among the model directories; rel_to_vanilla needs one"
+        )
+    # Steps the vanilla run did not evaluate stay NaN rather than being matched to a neighbour;
+    # so does a scale without a vanilla run (the config names each run's dataset, so none is lost).
+    df = _relative_to_vanilla(df, "val_ppl", scale + ["step"], scale, "step")
+    df = _sort_runs(df, ["dataset"], tail=["step"])[COLUMNS["dar_trajectory"]]
+    _write_csv(df, out_csv)
+    return df
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def summarize_lm_eval(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
+    """Long table of lm-eval's ``results``: one row per (run, task, metric) with its stderr."""
+    rows = []
+    for path in jsons:
+        record = json.loads(Path(path).read_text())
+        fields = _run_fields(record, path)
+        if "results" not in record:
+            raise ValueError(f"{path}: lm-eval record lacks 'results'")
+        for task, metrics in record["results"].items():
+            for key, value in metrics.items():
+                # lm-eval names metrics "metric,filter"; plain keys (alias, name, sample_len) are bookkeeping
+                if "," not in key:
+                    continue
+                name, _, filt = key.partition(",")
+                filt = filt or "none"
+                if name.endswith("_stderr") or _number(value) is None:
+                    continue
+                stderr = _number(metrics.get(f"{name}_stderr,{filt}"))
+                metric = name if filt == "none" else f"{name},{filt}"
+                rows.append(fields | {"task": task, "metric": metric, "value": float(value), "stderr": stderr})
+    if not rows:
+        raise ValueError("summarize_lm_eval found no numeric metrics in its inputs")
+    df = _sort_runs(_as_int(pd.DataFrame(rows)), [], tail=["task", "metric"])[COLUMNS["lm_eval"]]
+    _write_csv(df, out_csv)
+    return df
+
+
+RECALL_KEYS = ("corpus", "accuracy", "n_queries", "by_distance", "chance")
+RECALL_BIN_KEYS = ("min_distance", "max_distance", "accuracy", "n")
+
+
+def summarize_recall(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
+    """Tidy recall accuracy: per (run, corpus) one ``scope = overall`` row and one row per distance bin.
+
+    Columns: the run fields, corpus, split, scope ("overall" | "distance"), bin (0-based index of
+    the distance bin; empty on the overall row), min_distance and max_distance (query-to-key
+    distance, inclusive; the overall row spans every bin), accuracy (fraction of queries answered
+    correctly; empty for a bin without queries), n (queries), chance (1 / number of values).
+    """
+    rows, seen = [], {}
+    for path in jsons:
+        record = json.loads(Path(path).read_text())
+        missing = [k for k in RECALL_KEYS if k not in record]
+        if missing:
+            raise ValueError(f"{path}: recall record lacks {missing}; expected {list(RECALL_KEYS)}")
+        fields = _run_fields(record, path) | {"corpus": record["corpus"], "split": record.get("split") or ""}
+        key = (fields["run"], fields["corpus"], fields["split"])
+        if key in seen:
+            raise ValueError(f"run {key[0]!r} on corpus {key[1]!r} appears twice: {seen[key]} and {path}")
+        seen[key] = path
+        bins = record["by_distance"]
+        for i, b in enumerate(bins):
+            lacks = [k for k in RECALL_BIN_KEYS if k not in b]
+            if lacks:
+                raise ValueError(f"{path}: by_distance[{i}] lacks {lacks}; expected {list(RECALL_BIN_KEYS)}")
+        chance = float(record["chance"])
+        rows.append(
+            fields
+            | {
+                "scope": "overall",
+                "bin": None,
+                "min_distance": min((b["min_distance"] for b in bins), default=None),
+                "max_distance": max((b["max_distance"] for b in bins), default=None),
+                "accuracy": float(record["accuracy"]),
+                "n": record["n_queries"],
+                "chance": chance,
+            }
+        )
+        for i, b in enumerate(bins):
+            rows.append(
+                fields
+                | {
+                    "scope": "distance",
+                    "bin": i,
+                    "min_distance": b["min_distance"],
+                    "max_distance": b["max_distance"],
+                    "accuracy": None if b["accuracy"] is None else float(b["accuracy"]),
+                    "n": b["n"],
+                    "chance": chance,
+                }
+            )
+    if not rows:
+        raise ValueError("summarize_recall got no recall JSON files")
+    df = _as_int(pd.DataFrame(rows))
+    df["accuracy"] = pd.to_numeric(df["accuracy"], errors="coerce")
+    df = _sort_runs(df, ["corpus", "split"], tail=["bin"])[COLUMNS["recall"]]
+    _write_csv(df, out_csv)
+    return df
+
+
+def summarize_fidelity(csvs: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
+    """Concatenate the per-(model, objective, d') fidelity CSVs; an optional ``setting`` column is kept."""
+    frames = []
+    for path in csvs:
+        frame = pd.read_csv(path)
+        missing = [c for c in FIDELITY_COLUMNS if c not in frame.columns]
+        if missing:
+            raise ValueError(f"{path} lacks column(s) {missing}; expected {FIDELITY_COLUMNS}")
+        frames.append(frame)
+    if not frames:
+        raise ValueError("summarize_fidelity got no CSV files")
+    df = _as_int(pd.concat(frames, ignore_index=True))
+    extra = [c for c in df.columns if c not in FIDELITY_COLUMNS]
+    order = {o: i for i, o in enumerate(OBJECTIVE_ORDER)}
+    df = df.sort_values(
+        ["model", "objective", "d_prime", "layer"],
+        key=lambda s: s.map(lambda o: order.get(o, len(order))) if s.name == "objective" else s,
+        kind="stable",
+    )
+    df = df[FIDELITY_COLUMNS + extra].reset_index(drop=True)
+    _write_csv(df, out_csv)
+    return df

@@ -1,0 +1,403 @@
+"""Raw outputs shaped like the other stages' (built here), their summaries, and table helpers,
+for the tests of dimattn.reporting (tests/test_summaries.py, tests/test_reporting_*.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dimattn import paths, variants
+from dimattn.reporting import summaries
+
+REFERENCE = Path(__file__).resolve().parents[1] / "reference"
+
+
+def summary_path(summary_dir: Path, name: str) -> Path:
+    return summary_dir / Path(paths.summary(name)).name
+
+
+# ----------------------------------------------------------------------------- a small d_down sweep
+#
+# One text scale (d = 128): Vanilla, and DAR (w = 32) and Uniform at d_down/d in {1/8, 1/4, 1/2},
+# the ratios of seed 000 Table 1 (64, 128, 256 of d = 512), on two corpora.
+
+HIDDEN = 128
+WINDOW = 32
+D_DOWNS = (16, 32, 64)
+VANILLA_PPL = {"shakespeare": 60.0, "tinystories_val": 12.0}
+# Relative perplexities (%) the fixtures are built to give, per (attention, d_down).
+REL = {
+    ("dar", 64): 99.0,
+    ("dar", 32): 100.5,
+    ("dar", 16): 103.0,
+    ("uniform", 64): 102.0,
+    ("uniform", 32): 106.0,
+    ("uniform", 16): 112.5,
+}
+HEAD_DIM = 32
+D_PRIMES = (2, 4, 8, 16)
+N_LAYERS = 4
+
+
+def run_name(attention: str, d_down: int | None) -> str:
+    if attention == "vanilla":
+        return f"tiny_vanilla_d{HIDDEN}"
+    if attention == "dar":
+        return f"tiny_dar_w{WINDOW}_d{d_down}"
+    return f"tiny_uniform_d{d_down}"
+
+
+def sweep():
+    yield "vanilla", None
+    for attention in ("dar", "uniform"):
+        for d_down in D_DOWNS:
+            yield attention, d_down
+
+
+def small_fields(attention: str, d_down: int | None) -> dict:
+    """The run fields every raw output carries (dimattn.runs.run_metadata)."""
+    model = {"attention": attention, "hidden_size": HIDDEN, "d_down": d_down, "window": WINDOW}
+    return variants.run_fields(run_name(attention, d_down), model)
+
+
+def write_json(path: Path, record: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record))
+    return path
+
+
+def write_eval_jsons(root: Path, corpora=tuple(VANILLA_PPL), with_vanilla: bool = True) -> list[Path]:
+    paths_ = []
+    for attention, d_down in sweep():
+        if attention == "vanilla" and not with_vanilla:
+            continue
+        for corpus in corpora:
+            ppl = VANILLA_PPL[corpus] * REL.get((attention, d_down), 100.0) / 100
+            record = small_fields(attention, d_down) | {
+                "corpus": corpus,
+                "split": "test",
+                "n_tokens": 123456,
+                "loss": math.log(ppl),
+                "ppl": ppl,
+            }
+            paths_.append(write_json(root / "eval" / f"{record['run']}.{corpus}.json", record))
+    return paths_
+
+
+def write_scale_without_vanilla(root: Path) -> list[Path]:
+    """The small sweep on shakespeare plus a d = 2048 DAR run (d_down = d) without a Vanilla of its width."""
+    paths_ = write_eval_jsons(root, corpora=("shakespeare",))
+    record = json.loads(paths_[1].read_text()) | {"run": "big-dar", "hidden_size": 2048, "d_down": 2048}
+    return paths_ + [write_json(root / "big.json", record)]
+
+
+def vanilla_val_loss(step: int) -> float:
+    return 4.2 + 3.0 * math.exp(-step / 150)
+
+
+def write_model_dirs(root: Path, with_vanilla: bool = True) -> list[Path]:
+    """config.json + metrics.csv per run; validation every 50 steps, 10 tokens-per-step lines between."""
+    dirs = []
+    for attention, d_down in sweep():
+        if attention == "vanilla" and not with_vanilla:
+            continue
+        run = root / "models" / run_name(attention, d_down)
+        run.mkdir(parents=True)
+        config = {
+            "model_type": "dimattn",
+            "attention": attention,
+            "window": 128 if attention != "dar" else WINDOW,  # the config default is kept for every variant
+            "d_down": d_down,
+            "hidden_size": HIDDEN,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+        }
+        (run / "config.json").write_text(json.dumps(config))
+        final = REL.get((attention, d_down), 100.0) / 100
+        lines = ["step,tokens,lr,train_loss,val_loss"]
+        for step in range(0, 501, 10):
+            # Early gap above Vanilla that narrows towards the final relative perplexity.
+            gap = math.log(final) + 0.08 * math.exp(-step / 120) * (attention != "vanilla")
+            val = vanilla_val_loss(step) + gap
+            # The vanilla run skips its step-450 evaluation: that step has no baseline.
+            evaluated = step % 50 == 0 and not (attention == "vanilla" and step == 450)
+            lines.append(f"{step},{step * 8192},0.0006,{val + 0.05:.6f},{f'{val:.6f}' if evaluated else ''}")
+        (run / "metrics.csv").write_text("\n".join(lines) + "\n")
+        dirs.append(run)
+    return dirs
+
+
+def write_lm_eval_jsons(root: Path) -> list[Path]:
+    paths_ = []
+    for attention, d_down in sweep():
+        rel = REL.get((attention, d_down), 100.0) / 100
+        record = small_fields(attention, d_down) | {
+            "results": {
+                "wikitext": {
+                    "alias": "wikitext",
+                    "word_perplexity,none": 310.0 * rel,
+                    "word_perplexity_stderr,none": "N/A",
+                    "byte_perplexity,none": 2.9 * rel,
+                    "byte_perplexity_stderr,none": "N/A",
+                    "bits_per_byte,none": math.log2(2.9 * rel),
+                    "bits_per_byte_stderr,none": "N/A",
+                },
+                "lambada_openai": {
+                    "alias": "lambada_openai",
+                    "perplexity,none": 900.0 * rel,
+                    "perplexity_stderr,none": 40.0,
+                    "acc,none": 0.12 / rel,
+                    "acc_stderr,none": 0.0045,
+                },
+            },
+        }
+        paths_.append(write_json(root / "lm_eval" / f"{record['run']}.json", record))
+    return paths_
+
+
+FIDELITY_SCALE = {"random": (2.5, 0.02), "pca": (0.9, 0.004), "dimpo": (0.35, 0.0015), "kl": (0.25, 0.0011)}
+
+
+def write_fidelity_csvs(root: Path, setting: str | None = None) -> list[Path]:
+    rng = np.random.default_rng(0)
+    paths_ = []
+    for objective, (kl0, mse0) in FIDELITY_SCALE.items():
+        for d_prime in D_PRIMES:
+            shrink = (HEAD_DIM / d_prime) ** (0.1 if objective == "random" else 0.35)
+            rows = [
+                {
+                    "model": "tiny_vanilla_d128",
+                    "objective": objective,
+                    "d_prime": d_prime,
+                    "head_dim": HEAD_DIM,
+                    "layer": layer,
+                    "kl": kl0 * shrink * (1 + 0.1 * layer + 0.02 * rng.standard_normal()),
+                    "mse": mse0 * shrink * (1 + 0.1 * layer),
+                }
+                for layer in range(N_LAYERS)
+            ]
+            frame = pd.DataFrame(rows)
+            if setting is not None and objective == "dimpo":
+                frame["setting"] = setting
+            path = root / "dimpo" / f"{objective}_d{d_prime}.csv"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            frame.to_csv(path, index=False)
+            paths_.append(path)
+    return paths_
+
+
+def write_summaries(root: Path) -> Path:
+    """The small sweep's perplexity, trajectory, lm-eval and fidelity summaries."""
+    summary = root / "summary"
+    summaries.summarize_perplexity(write_eval_jsons(root), summary_path(summary, "dar_perplexity"))
+    summaries.summarize_trajectory(write_model_dirs(root), summary_path(summary, "dar_trajectory"))
+    summaries.summarize_lm_eval(write_lm_eval_jsons(root), summary_path(summary, "lm_eval"))
+    summaries.summarize_fidelity(write_fidelity_csvs(root), summary_path(summary, "dimpo_fidelity"))
+    return summary
+
+
+# ----------------------------------------------------------------------------- the full sweep
+#
+# The shape of the default config: a text scale "tiny" (d = 128) with seed 000's d_down sweep
+# (d_down = d is the no-bottleneck control), a window sweep at d_down = 32 and the seed 001
+# variants; a second text scale "micro" (d = 64) for Table 2; a recall scale (d = 64 too, on the
+# synthetic corpus) with its own sweeps. Nothing reads run names: only the run fields.
+
+TEXT = "shakespeare"
+RECALL = "mqar"
+BINS = [(17, 43), (44, 70), (71, 97), (98, 124)]
+CHANCE = 1 / 64
+
+
+def spec(
+    scale,
+    attention,
+    hidden_size,
+    d_down=None,
+    window=None,
+    dilation=None,
+    bottleneck_activation="linear",
+    full_attention_every=None,
+    attention_layers=None,
+    rel=100.0,
+    acc=None,
+    far=None,
+):
+    model = {"attention": attention, "hidden_size": hidden_size}
+    for key, value in (("window", window), ("dilation", dilation), ("d_down", d_down),
+                       ("full_attention_every", full_attention_every), ("attention_layers", attention_layers)):
+        if value is not None:
+            model[key] = value
+    if bottleneck_activation != "linear":
+        model["bottleneck_activation"] = bottleneck_activation
+    name = variants.run_name(scale, model)
+    return {
+        "run": name,
+        "scale": scale,
+        "model": model,
+        "dataset": RECALL if scale == "recall" else TEXT,
+        "synthetic": scale == "recall",
+        "rel": rel,
+        "acc": acc,
+        "far": far,
+    }
+
+
+FULL = [
+    spec("tiny", "vanilla", 128),
+    spec("tiny", "dar", 128, 16, 32, rel=104.0),
+    spec("tiny", "dar", 128, 32, 32, rel=99.5),
+    spec("tiny", "dar", 128, 64, 32, rel=98.5),
+    spec("tiny", "dar", 128, 128, 32, rel=99.0),
+    spec("tiny", "uniform", 128, 16, rel=112.0),
+    spec("tiny", "uniform", 128, 32, rel=106.5),
+    spec("tiny", "uniform", 128, 64, rel=102.5),
+    *[spec("tiny", "dar", 128, 32, w, rel=r) for w, r in ((0, 107.0), (1, 101.5), (4, 100.2), (16, 99.8), (64, 99.4))],
+    spec("tiny", "swa", 128, window=32, rel=103.25),
+    spec("tiny", "dilated", 128, window=32, dilation=4, rel=101.75),
+    spec("tiny", "swa", 128, window=32, full_attention_every=2, rel=100.75),
+    spec("tiny", "dar", 128, 32, 32, bottleneck_activation="sigmoid", rel=99.75),
+    spec("tiny", "dar", 128, 32, 32, attention_layers=[2, 3], rel=99.25),
+    spec("micro", "vanilla", 64),
+    spec("micro", "dar", 64, 16, 32, rel=100.25),
+    spec("recall", "vanilla", 64, acc=0.9),
+    *[spec("recall", "dar", 64, d, 16, acc=a) for d, a in ((2, 0.12), (4, 0.35), (8, 0.7), (16, 0.85))],
+    *[spec("recall", "uniform", 64, d, acc=a) for d, a in ((2, 0.05), (4, 0.2), (8, 0.5))],
+    *[spec("recall", "dar", 64, 8, w, acc=a) for w, a in ((0, 0.45), (1, 0.6), (4, 0.65))],
+    spec("recall", "swa", 64, window=16, acc=0.25, far=0.0),
+    spec("recall", "dilated", 64, window=16, dilation=4, acc=0.4),
+    spec("recall", "swa", 64, window=16, full_attention_every=2, acc=0.8),
+]
+VANILLA_TEXT_PPL = {128: 200.0, 64: 260.0}
+DATASETS = {s["run"]: s["dataset"] for s in FULL}
+
+
+def fields(s: dict) -> dict:
+    """What dimattn.sweeps.Run.fields gives the planned run (the run fields, scale, dataset, synthetic)."""
+    return variants.run_fields(s["run"], s["model"]) | {k: s[k] for k in ("scale", "dataset", "synthetic")}
+
+
+def bin_accuracies(s):
+    """Near bins above the overall accuracy, far ones below; the far value when given."""
+    acc = s["acc"]
+    near = min(1.0, acc + 0.1)
+    far = s["far"] if s["far"] is not None else max(0.0, acc - 0.1)
+    return [near, acc, acc, far]
+
+
+def write_full(root: Path, runs=FULL) -> dict[str, list[Path]]:
+    """Raw outputs of ``runs``: perplexity and lm-eval JSON of text runs, recall JSON of synthetic
+    ones, and every run's model directory."""
+    out = {"ppl": [], "recall": [], "models": [], "lm": []}
+    for s in runs:
+        meta = variants.run_fields(s["run"], s["model"])
+        hidden, d_down = s["model"]["hidden_size"], s["model"].get("d_down")
+        run_dir = root / "eval" / s["run"]
+        run_dir.mkdir(parents=True)
+        if s["synthetic"]:
+            rec = meta | {
+                "corpus": RECALL,
+                "split": "test",
+                "accuracy": s["acc"],
+                "n_queries": 4096,
+                "by_distance": [
+                    {"min_distance": lo, "max_distance": hi, "accuracy": a, "n": 1024}
+                    for (lo, hi), a in zip(BINS, bin_accuracies(s))
+                ],
+                "chance": CHANCE,
+            }
+            (run_dir / f"recall_{RECALL}.json").write_text(json.dumps(rec))
+            out["recall"].append(run_dir / f"recall_{RECALL}.json")
+        else:
+            ppl = VANILLA_TEXT_PPL[hidden] * s["rel"] / 100
+            record = meta | {"corpus": TEXT, "split": "test", "n_tokens": 1000, "loss": math.log(ppl), "ppl": ppl}
+            (run_dir / f"perplexity_{TEXT}.json").write_text(json.dumps(record))
+            out["ppl"].append(run_dir / f"perplexity_{TEXT}.json")
+            # Downstream: accuracy follows the bottleneck like seed 000 Table 4; bits per byte the perplexity.
+            ratio = (d_down or hidden) / hidden
+            acc = 0.25 * {1: 1.0, 0.5: 1.02, 0.25: 1.04, 0.125: 0.9}.get(ratio, 1.0)
+            lm = meta | {
+                "results": {
+                    "dimattn_next_line": {"acc,none": acc, "acc_stderr,none": 0.02},
+                    "dimattn_heldout": {
+                        "bits_per_byte,none": 2.5 * s["rel"] / 100,
+                        "bits_per_byte_stderr,none": "N/A",
+                        "word_perplexity,none": 900.0,
+                    },
+                },
+            }
+            (run_dir / "lm_eval.json").write_text(json.dumps(lm))
+            out["lm"].append(run_dir / "lm_eval.json")
+
+        model = root / "models" / s["run"]
+        model.mkdir(parents=True)
+        config = {
+            "dilation": 4,
+            "num_hidden_layers": 4,
+            "window": 128,
+            "d_down": None,
+            "bottleneck_activation": "linear",
+            "full_attention_every": None,
+            "attention_layers": None,
+        } | s["model"]
+        (model / "config.json").write_text(json.dumps(config))
+        final = math.log(s["rel"] / 100) if not s["synthetic"] else 0.5 - s["acc"] / 2
+        base = 5.0 if not s["synthetic"] else 2.0
+        lines = ["step,tokens,lr,train_loss,val_loss"]
+        for step in range(0, 201, 25):
+            gap = 0.0 if s["model"]["attention"] == "vanilla" else final + 0.05 * math.exp(-step / 60)
+            lines.append(f"{step},{step * 2048},0.001,{base + 1:.4f},{base + math.exp(-step / 80) + gap:.6f}")
+        (model / "metrics.csv").write_text("\n".join(lines) + "\n")
+        out["models"].append(model)
+    return out
+
+
+def write_full_summaries(root: Path, raw=None, runs=FULL) -> Path:
+    raw = raw or write_full(root, runs)
+    summary = root / "summary"
+    if raw["ppl"]:
+        summaries.summarize_perplexity(raw["ppl"], summary_path(summary, "dar_perplexity"))
+        summaries.summarize_lm_eval(raw["lm"], summary_path(summary, "lm_eval"))
+    summaries.summarize_trajectory(raw["models"], summary_path(summary, "dar_trajectory"), datasets=DATASETS)
+    if raw["recall"]:
+        summaries.summarize_recall(raw["recall"], summary_path(summary, "recall"))
+    return summary
+
+
+# ----------------------------------------------------------------------------- reading tables
+
+
+def table_line(tex: str, *needles: str) -> str:
+    """The one body row of a table that contains every needle."""
+    lines = [line for line in tex.splitlines() if line.endswith(r"\\") and all(n in line for n in needles)]
+    assert len(lines) == 1, (needles, lines)
+    return lines[0]
+
+
+def cells(line: str) -> list[str]:
+    """The cells of a table row, stripped."""
+    return [c.strip() for c in line.rstrip(" \\").split("&")]
+
+
+def check_tabulars(tex: str) -> None:
+    """Every body row of every tabular has as many cells as its column spec (multicolumns counted)."""
+    assert tex.count("{") - tex.count(r"\{") == tex.count("}") - tex.count(r"\}")
+    blocks = re.findall(r"\\begin\{tabular\}\{([^}]*)\}(.*?)\\end\{tabular\}", tex, re.S)
+    assert blocks, "no tabular"
+    for spec_, body in blocks:
+        n = len(re.findall(r"[lrc]", spec_))
+        for line in body.splitlines():
+            if not line.rstrip().endswith(r"\\"):
+                continue
+            spans = sum(int(k) - 1 for k in re.findall(r"\\multicolumn\{(\d+)\}", line))
+            amps = len(re.findall(r"(?<!\\)&", line))
+            assert amps + 1 + spans == n, (spec_, line)
+
+
+def is_png(path: Path, min_size: int = 20_000) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > min_size

@@ -1,0 +1,78 @@
+"""Pointers in prose stay true: every `dimattn.x.y` a document, docstring, rule or test names
+exists, every relative folder a README names exists, and no module keeps a copy of a value
+that config.yaml holds."""
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT_FILES = sorted(
+    [REPO / "README.md", *REPO.glob("*/README.md"), *REPO.glob("dimattn/**/*.py"), *REPO.glob("rules/*.smk"),
+     *REPO.glob("workflow_scripts/*.py"), *REPO.glob("tests/*.py"), *REPO.glob("benchmarks/*.py"),
+     *REPO.glob("report/*.rst"), REPO / "schemas/config.schema.yaml", REPO / "Snakefile"]
+)
+DOTTED = re.compile(r"\bdimattn(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
+def resolves(dotted: str) -> bool:
+    """dimattn.a.b.c names a module, or something defined in the longest module prefix (not
+    merely imported there: the pointer must lead to the definition)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            module = obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        home = getattr(obj, "__module__", None)
+        return cut == len(parts) or not isinstance(home, str) or home == module.__name__ or obj is module
+    return False
+
+
+def test_every_dotted_pointer_resolves():
+    stale = []
+    for path in TEXT_FILES:
+        if path == Path(__file__):
+            continue
+        for dotted in set(DOTTED.findall(path.read_text())):
+            if dotted.endswith((".py", ".smk")) or not resolves(dotted):
+                if not (dotted.endswith(".py") and (REPO / dotted.replace(".", "/", dotted.count(".") - 1)).exists()):
+                    stale.append(f"{path.relative_to(REPO)}: {dotted}")
+    assert not stale, stale
+
+
+@pytest.mark.parametrize("readme", sorted(p.relative_to(REPO).as_posix() for p in [REPO / "README.md",
+                                                                                  *REPO.glob("*/README.md")]))
+def test_relative_folders_in_readmes_exist(readme):
+    path = REPO / readme
+    missing = [ref for ref in re.findall(r"`(\.\.?/[^`\s]*?/)`", path.read_text())
+               if not (path.parent / ref).resolve().exists()
+               and not (ref.startswith("../shared/") and (REPO.parent / ref[3:]).exists())]
+    assert not missing, missing
+
+
+def _leaves(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _leaves(v)
+    elif isinstance(obj, str) and len(obj) >= 12:
+        yield obj
+
+
+def test_no_module_repeats_a_config_value():
+    """config.yaml is where the default run's data are named (archive, checksum, members)."""
+    datasets = yaml.safe_load((REPO / "config.yaml").read_text())["datasets"]
+    values = set(_leaves([{k: v for k, v in spec.items() if k != "source"} for spec in datasets.values()]))
+    repeated = [f"{p.relative_to(REPO)}: {v}" for p in sorted(REPO.glob("dimattn/**/*.py"))
+                for v in values if f'"{v}"' in p.read_text() or f"'{v}'" in p.read_text()]
+    assert not repeated, repeated

@@ -1,0 +1,267 @@
+"""dimattn.reporting.outputs: which outputs a config calls for, and rendering exactly those."""
+
+import pandas as pd
+import pytest
+from reporting_fixtures import (
+    FULL,
+    REFERENCE,
+    fields,
+    is_png,
+    summary_path,
+    write_fidelity_csvs,
+    write_full_summaries,
+    write_summaries,
+)
+
+from dimattn import variants
+from dimattn.reporting import outputs, summaries
+from dimattn.reporting.selection import NoRuns
+
+TEXT_OUTPUTS = {"tables/dar_perplexity.tex", "figures/dar_perplexity.png", "figures/dar_trajectory.png"}
+
+
+def run(attention, hidden_size=64, synthetic=False, **keys):
+    """A planned run as dimattn.sweeps.Run.fields gives it."""
+    model = {"attention": attention, "hidden_size": hidden_size, **keys}
+    scale = "recall" if synthetic else "tiny"
+    return variants.run_fields(variants.run_name(scale, model), model) | {
+        "scale": scale,
+        "dataset": "mqar" if synthetic else "shakespeare",
+        "synthetic": synthetic,
+    }
+
+
+def wanted(runs, lm_eval=False, dimpo=False):
+    return set(outputs.wanted(runs, lm_eval, dimpo))
+
+
+VANILLA = run("vanilla")
+DAR = run("dar", window=16, d_down=16)  # d/4 at the main window
+
+
+# ----------------------------------------------------------------------------- wanted: each predicate
+
+
+def test_table1_and_trajectory_need_a_vanilla_run_beside_a_plain_bottleneck_run():
+    assert wanted([VANILLA, DAR]) >= TEXT_OUTPUTS
+    assert wanted([VANILLA, run("uniform", d_down=8)]) >= TEXT_OUTPUTS
+    assert not wanted([VANILLA]) & TEXT_OUTPUTS  # nothing to set against Vanilla
+    assert not wanted([DAR]) & TEXT_OUTPUTS  # no Rel. without Vanilla
+    # A sigmoid bottleneck is a DAR variant, not a Table 1 run.
+    assert not wanted([VANILLA, run("dar", window=16, d_down=16, bottleneck_activation="sigmoid")]) & TEXT_OUTPUTS
+    # Synthetic runs have no perplexity (no Table 1), but a training trajectory.
+    synthetic = wanted([run("vanilla", synthetic=True), run("dar", window=16, d_down=4, synthetic=True)])
+    assert "figures/dar_trajectory.png" in synthetic and "tables/dar_perplexity.tex" not in synthetic
+
+
+def test_table2_needs_dar_at_a_quarter_of_the_width_at_the_main_window():
+    assert "tables/dar_scales.tex" in wanted([VANILLA, DAR])
+    assert "tables/dar_scales.tex" not in wanted([VANILLA, run("dar", window=16, d_down=32)])
+    # d/4 only at a window other than the main one (most DAR runs are at w = 16): not Table 1's run.
+    off_main = [VANILLA, run("dar", window=4, d_down=16), run("dar", window=16, d_down=8),
+                run("dar", window=16, d_down=32)]
+    assert "tables/dar_scales.tex" not in wanted(off_main)
+    assert "tables/dar_scales.tex" not in wanted([DAR])
+
+
+def test_table3_needs_a_window_sweep_at_one_d_down():
+    sweep = [run("dar", window=4, d_down=16), run("dar", window=16, d_down=16)]
+    names = {"tables/dar_window.tex", "figures/dar_window.png"}
+    assert wanted([VANILLA, *sweep]) >= names
+    assert not wanted(sweep) & names  # on text, Rel. needs a vanilla run
+    assert not wanted([VANILLA, run("dar", window=4, d_down=16), run("dar", window=16, d_down=8)]) & names
+    # A window pattern variant is not a window sweep.
+    assert not wanted([VANILLA, DAR, run("dar", window=4, d_down=16, attention_layers=[1])]) & names
+    recall = [run("dar", window=w, d_down=4, synthetic=True) for w in (0, 16)]
+    assert wanted(recall) >= names  # accuracy needs no vanilla run
+
+
+def test_table4_needs_lm_eval_and_a_no_bottleneck_dar_run():
+    control = run("dar", window=16, d_down=64)
+    assert "tables/dar_downstream.tex" in wanted([VANILLA, DAR, control], lm_eval=True)
+    assert "tables/dar_downstream.tex" not in wanted([VANILLA, DAR, control], lm_eval=False)
+    assert "tables/dar_downstream.tex" not in wanted([VANILLA, DAR], lm_eval=True)
+    assert "tables/dar_downstream.tex" not in wanted([run("dar", window=16, d_down=32, synthetic=True, hidden_size=32)],
+                                                     lm_eval=True)
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"attention": "swa", "window": 16},
+        {"attention": "dilated", "window": 16, "dilation": 4},
+        {"attention": "swa", "window": 16, "full_attention_every": 2},
+        {"attention": "dar", "window": 16, "d_down": 16, "bottleneck_activation": "sigmoid"},
+        {"attention": "dar", "window": 16, "d_down": 16, "attention_layers": [0]},
+        {"attention": "uniform", "d_down": 16, "full_attention_every": 2},
+    ],
+)
+def test_baselines_need_a_seed_001_run_or_a_dar_variant(keys):
+    assert "tables/baselines.tex" in wanted([VANILLA, run(**keys)])
+    assert "tables/baselines.tex" in wanted([run(**keys, synthetic=True)])
+
+
+def test_no_baselines_among_seed_000_runs():
+    assert "tables/baselines.tex" not in wanted([VANILLA, DAR, run("uniform", d_down=16)])
+
+
+def test_recall_lm_eval_and_dimpo_outputs():
+    recall = {"tables/recall.tex", "figures/recall.png"}
+    dimpo = {"tables/dimpo_fidelity.tex", "figures/dimpo_fidelity.png"}
+    assert wanted([VANILLA, run("vanilla", synthetic=True)]) >= recall
+    assert not wanted([VANILLA, DAR]) & recall
+    assert "tables/lm_eval.tex" in wanted([VANILLA], lm_eval=True)
+    assert "tables/lm_eval.tex" not in wanted([VANILLA])
+    assert wanted([VANILLA], dimpo=True) == dimpo
+    assert not wanted([VANILLA]) & dimpo
+    assert wanted([], dimpo=True) == dimpo
+
+
+def test_wanted_summaries():
+    assert outputs.wanted_summaries([VANILLA], False, False) == ["dar_perplexity", "dar_trajectory"]
+    assert outputs.wanted_summaries([run("vanilla", synthetic=True)], True, True) == [
+        "dar_trajectory", "recall", "lm_eval", "dimpo_fidelity"]
+    assert outputs.wanted_summaries([], False, True) == ["dimpo_fidelity"]
+
+
+def test_registry_paths_captions_and_categories():
+    for name, out in outputs.OUTPUTS.items():
+        assert out.path == f"results/{name}"
+        assert (REFERENCE.parent / "report" / f"{out.caption}.rst").exists(), name
+        assert set(out.optional) <= set(out.summaries) <= set(outputs.SUMMARIES)
+        assert callable(out.render)
+    groups = outputs.by_category(outputs.OUTPUTS)
+    assert list(groups) == ["DAR", "Baselines", "Recall", "lm-eval", "DimPO"]
+    assert outputs.reads(groups["Recall"], list(outputs.SUMMARIES)) == ["recall"]
+    assert outputs.reads(groups["DAR"], ["dar_perplexity", "dar_trajectory"]) == ["dar_perplexity", "dar_trajectory"]
+    targets = outputs.targets([VANILLA, DAR], False, False)
+    assert targets[:2] == ["results/summary/dar_perplexity.csv", "results/summary/dar_trajectory.csv"]
+    assert "results/tables/dar_scales.tex" in targets
+
+
+# ----------------------------------------------------------------------------- config and summaries agree
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    root = tmp_path_factory.mktemp("full")
+    summary = write_full_summaries(root)
+    summaries.summarize_fidelity(write_fidelity_csvs(root), summary_path(summary, "dimpo_fidelity"))
+    return root, summary
+
+
+def test_the_summaries_call_for_what_the_config_called_for(full):
+    root, summary = full
+    planned = outputs.wanted([fields(s) for s in FULL], lm_eval=True, dimpo=True)
+    assert planned == list(outputs.OUTPUTS)  # the full sweep has every table and figure
+    asked = outputs.runs_in(summary)
+    assert outputs.wanted(asked.runs, asked.lm_eval, asked.dimpo) == planned
+    assert {r["run"] for r in asked.runs if r["synthetic"]} == {s["run"] for s in FULL if s["synthetic"]}
+    written = outputs.render_existing(summary, REFERENCE, root / "results")
+    assert [str(p.relative_to(root / "results")) for p in written] == planned
+    for path in written:
+        assert is_png(path) if path.suffix == ".png" else r"\begin{tabular}" in path.read_text()
+    # Atomic writes leave no temporary files behind.
+    assert not [p for p in (root / "results").rglob(".*")]
+
+
+def test_without_recall_runs_nothing_recall_is_rendered(tmp_path):
+    text_only = [s for s in FULL if not s["synthetic"] and s["model"]["hidden_size"] == 128][:8]  # the d_down sweep
+    summary = write_full_summaries(tmp_path, runs=text_only)
+    names = {str(p.relative_to(tmp_path / "results"))
+             for p in outputs.render_existing(summary, REFERENCE, tmp_path / "results")}
+    assert names == TEXT_OUTPUTS | {"tables/dar_scales.tex", "tables/dar_downstream.tex", "tables/lm_eval.tex"}
+    assert outputs.wanted([fields(s) for s in text_only], lm_eval=True, dimpo=False) == sorted(
+        names, key=list(outputs.OUTPUTS).index)
+
+
+def test_recall_sweeps_beside_a_text_scale_without_one(tmp_path):
+    """Only the recall scale has a window sweep and seed 001 variants; no text run is at d/4."""
+    runs = [s for s in FULL if s["synthetic"] or s["run"] in ("tiny-vanilla", "tiny-dar-w32-d64")]
+    expected = TEXT_OUTPUTS | {"tables/dar_window.tex", "figures/dar_window.png", "tables/baselines.tex",
+                               "tables/recall.tex", "figures/recall.png"}
+    assert wanted([fields(s) for s in runs]) == expected
+    summary = write_full_summaries(tmp_path, runs=runs)
+    summary_path(summary, "lm_eval").unlink()
+    written = outputs.render_existing(summary, REFERENCE, tmp_path / "results")
+    assert {str(p.relative_to(tmp_path / "results")) for p in written} == expected
+
+
+def test_render_existing_on_dimpo_alone(tmp_path):
+    summary = tmp_path / "summary"
+    summaries.summarize_fidelity(write_fidelity_csvs(tmp_path), summary_path(summary, "dimpo_fidelity"))
+    written = outputs.render_existing(summary, REFERENCE, tmp_path)
+    assert sorted(p.name for p in written) == ["dimpo_fidelity.png", "dimpo_fidelity.tex"]
+
+
+def test_render_existing_empty_dir_says_what_to_run(tmp_path):
+    with pytest.raises(FileNotFoundError) as err:
+        outputs.render_existing(tmp_path, REFERENCE, tmp_path / "results")
+    for name in outputs.SUMMARIES:
+        assert f"{name}.csv" in str(err.value)
+    assert "run the workflow" in str(err.value)
+    assert not (tmp_path / "results").exists()
+
+
+def test_render_existing_needs_the_trajectory_to_know_the_runs(tmp_path):
+    summary = write_summaries(tmp_path)
+    summary_path(summary, "dar_trajectory").unlink()
+    with pytest.raises(FileNotFoundError, match="dar_trajectory.csv"):
+        outputs.render_existing(summary, REFERENCE, tmp_path / "results")
+
+
+# ----------------------------------------------------------------------------- errors: no placeholders
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """The small d_down sweep: no window sweep, no no-bottleneck run, no seed 001 run, no recall."""
+    return write_summaries(tmp_path_factory.mktemp("small"))
+
+
+@pytest.mark.parametrize(
+    "name, lacking",
+    [
+        ("tables/dar_window.tex", "no scale has plain DAR runs at one d_down and two or more windows"),
+        ("figures/dar_window.png", "no scale has plain DAR runs at one d_down and two or more windows"),
+        ("tables/dar_downstream.tex", "no plain DAR run with d_down = hidden_size"),
+        ("tables/baselines.tex", "no SWA, dilated, hybrid or patterned DAR run"),
+    ],
+)
+def test_a_declared_output_without_its_runs_is_an_error(small, tmp_path, name, lacking):
+    with pytest.raises(NoRuns, match=f"^{name}: {lacking}"):
+        outputs.render([name], small, REFERENCE, tmp_path)
+    assert not (tmp_path / name).exists()
+
+
+def test_a_declared_output_without_its_summary_is_an_error(small, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"tables/recall.tex needs .*recall.csv, which is missing"):
+        outputs.render(["tables/recall.tex"], small, REFERENCE, tmp_path)
+    # A summary on disk that is not among the rule's inputs does not count.
+    with pytest.raises(FileNotFoundError, match="lm_eval.csv"):
+        outputs.render(["tables/lm_eval.tex"], small, REFERENCE, tmp_path, available=["dar_perplexity"])
+    with pytest.raises(ValueError, match="unknown output"):
+        outputs.render(["tables/nope.tex"], small, REFERENCE, tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "summary, column, name",
+    [
+        ("dar_perplexity", "rel_to_vanilla", "tables/dar_perplexity.tex"),
+        ("dar_perplexity", "attention_layers", "tables/dar_scales.tex"),
+        ("lm_eval", "metric", "tables/dar_downstream.tex"),
+        ("dar_trajectory", "dataset", "figures/dar_trajectory.png"),
+        ("recall", "chance", "tables/recall.tex"),
+    ],
+)
+def test_a_malformed_summary_names_the_file_and_the_column(full, tmp_path, summary, column, name):
+    _, good = full
+    bad = tmp_path / "summary"
+    bad.mkdir()
+    for s in outputs.SUMMARIES:
+        frame = pd.read_csv(summary_path(good, s))
+        frame.drop(columns=column if s == summary else []).to_csv(summary_path(bad, s), index=False)
+    with pytest.raises(ValueError, match=rf"{summary}.csv: missing column\(s\) \['{column}'\]"):
+        outputs.render([name], bad, REFERENCE, tmp_path / "results")
+    assert not (tmp_path / "results").exists()

@@ -1,0 +1,165 @@
+"""dimattn.sweeps: config -> runs, in-process. Every bad config is refused with the key that
+holds the culprit; the schema is the only home of defaults."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dimattn import sweeps, variants
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT = yaml.safe_load((REPO / "config.yaml").read_text())
+SMOKE = yaml.safe_load((REPO / "configs/smoke.yaml").read_text())
+
+
+def plan_of(config):
+    return sweeps.plan(sweeps.validate(config))
+
+
+def mutated(mutate):
+    config = copy.deepcopy(DEFAULT)
+    mutate(config)
+    return config
+
+
+def add_sweep(sweep):
+    return lambda c: c["pretraining"]["sweeps"].append(sweep)
+
+
+NEXT = f"pretraining.sweeps[{len(DEFAULT['pretraining']['sweeps'])}]"
+
+
+def test_default_plan():
+    plan = plan_of(DEFAULT)
+    assert len(plan.runs) == sum(
+        len(list(__import__("itertools").product(*[
+            s[k] if isinstance(s[k], list) else [s[k]] for k in variants.SWEPT_KEYS if k in s])))
+        for s in DEFAULT["pretraining"]["sweeps"]
+    )
+    run = plan.runs["tiny-dar-w32-d16"]
+    assert run.model["attention"] == "dar" and run.model["window"] == 32 and run.model["d_down"] == 16
+    assert run.model["hidden_size"] == 128 and run.dataset == "shakespeare" and not run.synthetic
+    assert plan.runs["recall-vanilla"].synthetic and "recall-vanilla" in plan.recall_runs
+    # synthetic runs get the recall probe, never a perplexity
+    assert plan.perplexity_targets("recall-vanilla") == []
+    assert plan.perplexity_targets("tiny-vanilla") == ["shakespeare"]
+    assert set(plan.lm_eval_runs) == set(plan.text_runs)
+    assert run.fields["scale"] == "tiny" and run.fields["attention"] == "dar"
+
+
+def test_schema_defaults_fill_every_section():
+    config = sweeps.validate({k: v for k, v in DEFAULT.items() if k != "dimpo"})
+    assert config["dimpo"]["models"] == [] and config["dimpo"]["resources"]["mem_mb"] == 8000
+    assert config["evaluation"]["perplexity"]["max_tokens"] is None
+    assert config["pretraining"]["scales"]["tiny"]["training"]["weight_decay"] == 0.1
+    assert config["datasets"]["shakespeare"]["min_tokens"] == 0
+    assert "streaming" not in config["datasets"]["shakespeare"]  # a huggingface default stays there
+    assert not sweeps.plan(config).dimpo_enabled
+
+
+def test_recall_defaults_are_the_generator_defaults():
+    from dataclasses import fields
+
+    from dimattn.recall import RecallSettings
+
+    schema = yaml.safe_load((REPO / "schemas/config.schema.yaml").read_text())
+    branches = schema["properties"]["datasets"]["additionalProperties"]["allOf"]
+    recall = next(b["then"] for b in branches if b["if"]["properties"]["source"]["const"] == "synthetic_recall")
+    defaults = {k: v["default"] for k, v in recall["properties"].items() if "default" in v}
+    assert defaults == {f.name: f.default for f in fields(RecallSettings) if f.name in defaults}
+    assert set(defaults) == {f.name for f in fields(RecallSettings)} - {"seq_len"}
+
+
+def test_no_two_sections_share_one_default_object():
+    # Snakemake's validator fills every absent `resources` with the schema's one {} object
+    config = copy.deepcopy(DEFAULT)
+    for spec in config["pretraining"]["scales"].values():
+        spec.pop("resources")
+    plan = plan_of(config)
+    tiny, micro = plan.runs["tiny-vanilla"], plan.runs["micro-vanilla"]
+    assert tiny.resources == micro.resources and tiny.resources is not micro.resources
+    tiny.resources["mem_mb"] = 1
+    assert micro.resources["mem_mb"] != 1
+    scales = plan.config["pretraining"]["scales"]
+    assert scales["tiny"]["resources"] is not scales["micro"]["resources"]
+
+
+def test_dimpo_resources_come_from_the_schema_alone():
+    """The capture's 8000 MB fallback in the rules was never used: the schema filled 4000 first."""
+    plan = plan_of(DEFAULT)
+    assert plan.dimpo["resources"] == {"runtime": 30, "mem_mb": 8000, "threads": 1}
+    rules = (REPO / "rules/dimpo.smk").read_text()
+    assert "8000" not in rules and "4000" not in rules
+
+
+BAD = {
+    # schema: types, ranges, unknown keys, required keys
+    "unknown variant": (add_sweep({"scale": "tiny", "attention": "sparse"}), "sparse"),
+    "unknown objective": (lambda c: c["dimpo"]["objectives"].append("cosine"), "cosine"),
+    "missing sha256": (lambda c: c["datasets"]["shakespeare"].pop("sha256"), "sha256"),
+    "missing member_glob": (lambda c: c["datasets"]["shakespeare"].pop("member_glob"), "member_glob"),
+    "negative window": (add_sweep({"scale": "tiny", "attention": "dar", "window": -4, "d_down": 32}), "-4"),
+    "dar without window": (add_sweep({"scale": "tiny", "attention": "dar", "d_down": 32}), "window"),
+    "dilated without window": (add_sweep({"scale": "tiny", "attention": "dilated", "dilation": 4}), "window"),
+    "dilated without dilation": (add_sweep({"scale": "tiny", "attention": "dilated", "window": 8}), "dilation"),
+    "string steps": (lambda c: c["pretraining"]["scales"]["tiny"]["training"].update(max_steps="many"), "many"),
+    "unknown training key": (lambda c: c["pretraining"]["scales"]["tiny"]["training"].update(lr_decay=1), "lr_decay"),
+    "unknown top-level key": (lambda c: c.update(extra=1), "extra"),
+    "unknown source": (lambda c: c["datasets"]["shakespeare"].update(source="ftp"), "ftp"),
+    # dimattn.sweeps: the key named in full
+    "swa with d_down": (add_sweep({"scale": "tiny", "attention": "swa", "window": 8, "d_down": 32}), f"{NEXT}.d_down"),
+    "vanilla with window": (add_sweep({"scale": "tiny", "attention": "vanilla", "window": 8}), f"{NEXT}.window"),
+    "d_down > hidden_size": (add_sweep({"scale": "tiny", "attention": "uniform", "d_down": 256}), f"{NEXT}.d_down"),
+    "swa with window 0": (add_sweep({"scale": "tiny", "attention": "swa", "window": 0}), f"{NEXT}.window"),
+    "layer out of range": (add_sweep({"scale": "tiny", "attention": "dar", "window": 8, "d_down": 32,
+                                      "attention_layers": [7]}), f"{NEXT}.attention_layers"),
+    "duplicate run": (add_sweep({"scale": "tiny", "attention": "vanilla"}), "already defined"),
+    "unknown dataset": (lambda c: c["pretraining"].update(dataset="pile"), "pretraining.dataset"),
+    "unknown scale dataset": (lambda c: c["pretraining"]["scales"]["tiny"].update(dataset="pile"),
+                              "pretraining.scales.tiny.dataset"),
+    "unknown scale": (add_sweep({"scale": "huge", "attention": "vanilla"}), f"{NEXT}.scale"),
+    "heads do not divide": (lambda c: c["pretraining"]["scales"]["tiny"]["architecture"].update(num_attention_heads=3),
+                            "pretraining.scales.tiny.architecture.hidden_size"),
+    "recall seq_len mismatch": (lambda c: c["pretraining"]["scales"]["recall"]["training"].update(seq_len=64),
+                                "pretraining.scales.recall.training.seq_len"),
+    "synthetic perplexity": (lambda c: c["evaluation"]["perplexity"]["datasets"].append("recall"),
+                             "evaluation.perplexity.datasets"),
+    "unknown lm_eval scale": (lambda c: c["evaluation"]["lm_eval"].update(scales=["huge"]), "evaluation.lm_eval.scales"),
+    "synthetic lm_eval tasks": (lambda c: c["evaluation"]["lm_eval"].update(write_tasks_from="recall"),
+                                "evaluation.lm_eval.write_tasks_from"),
+    "two tokenizers": (lambda c: c["tokenizer"].update(hub="EleutherAI/pythia-70m"), "tokenizer"),
+    "unknown tokenizer corpus": (lambda c: c["tokenizer"].update(train_on="pile"), "tokenizer.train_on"),
+    "dimpo unknown run": (lambda c: c["dimpo"]["models"].append({"name": "x", "run": "tiny-nope"}),
+                          "dimpo.models[1].run"),
+    "dimpo of a DAR run": (lambda c: c["dimpo"]["models"].append({"name": "x", "run": "tiny-dar-w32-d16"}),
+                           "dimpo.models[1].run"),
+    "dimpo d_prime > head_dim": (lambda c: c["dimpo"].update(d_prime=[2, 64]), "dimpo.d_prime"),
+    "dimpo unknown dataset": (lambda c: c["dimpo"].update(dataset="pile"), "dimpo.dataset"),
+    "dimpo without d_prime": (lambda c: c["dimpo"].update(d_prime=[]), "dimpo.d_prime"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_config_is_refused_naming_the_key(case):
+    mutate, culprit = BAD[case]
+    with pytest.raises(Exception) as err:
+        plan_of(mutated(mutate))
+    assert culprit in str(err.value), str(err.value)[-2000:]
+    assert not isinstance(err.value, (KeyError, TypeError, AttributeError)), repr(err.value)
+
+
+def test_sweep_errors_carry_the_key():
+    with pytest.raises(sweeps.ConfigError) as err:
+        plan_of(mutated(add_sweep({"scale": "tiny", "attention": "swa", "window": 8, "dilation": 2})))
+    assert err.value.key == f"{NEXT}.dilation"
+
+
+def test_the_smoke_config_stands_alone():
+    """configs/smoke.yaml replaces config.yaml whole: every stage, at the smallest size."""
+    plan = plan_of(SMOKE)
+    assert {r.scale for r in plan.runs.values()} == {"tiny", "recall"}
+    assert plan.recall_runs and plan.text_runs and plan.lm_eval_runs and plan.dimpo_enabled
+    attentions = {r.model["attention"] for r in plan.runs.values()}
+    assert attentions == {"vanilla", "dar", "uniform", "swa"}
