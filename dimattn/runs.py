@@ -9,5 +9,9 @@ from .variants import run_fields
 
 
 def run_metadata(model_dir: Path) -> dict:
-    """The run fields of a model directory; the run is the directory's name."""
-    return run_fields(Path(model_dir).name, json.loads((Path(model_dir) / "config.json").read_text()))
+    """The run fields of a model directory: the run is the directory's name, the variant its
+    config.json, the seed its training.json (0 for a directory without one)."""
+    model_dir = Path(model_dir)
+    training = model_dir / "training.json"
+    seed = json.loads(training.read_text()).get("seed", 0) if training.is_file() else 0
+    return run_fields(model_dir.name, json.loads((model_dir / "config.json").read_text()), seed)

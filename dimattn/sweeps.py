@@ -54,9 +54,13 @@ class Run:
     resources: dict
 
     @property
+    def seed(self) -> int:
+        return self.training["seed"]
+
+    @property
     def fields(self) -> dict:
         """variants.RUN_FIELDS plus what the plan knows: the scale and the training corpus."""
-        return variants.run_fields(self.name, self.model) | {
+        return variants.run_fields(self.name, self.model, self.seed) | {
             "scale": self.scale,
             "dataset": self.dataset,
             "synthetic": self.synthetic,
@@ -164,7 +168,8 @@ def _check_scales(p: Plan) -> None:
 
 
 def expand_sweeps(p: Plan) -> dict[str, Run]:
-    """pretraining.sweeps -> {run name: Run}; list-valued window/d_down/dilation expand as a product."""
+    """pretraining.sweeps -> {run name: Run}; list-valued window/d_down/dilation/seed expand as a
+    product. ``seed`` replaces the scale's training.seed: replicates of one setting."""
     _need_dataset(p, "pretraining.dataset", p.config["pretraining"]["dataset"])
     scales = p.config["pretraining"]["scales"]
     runs: dict[str, Run] = {}
@@ -173,14 +178,17 @@ def expand_sweeps(p: Plan) -> dict[str, Run]:
         scale = sweep["scale"]
         if scale not in scales:
             raise ConfigError(f"{key}.scale", f"unknown scale {scale!r}; known: {sorted(scales)}")
-        fixed = {k: v for k, v in sweep.items() if k not in variants.SWEPT_KEYS and k != "scale"}
+        fixed = {k: v for k, v in sweep.items() if k not in variants.SWEPT_KEYS + ("seed", "scale")}
         swept = [(k, _as_list(sweep[k])) for k in variants.SWEPT_KEYS if k in sweep]
-        for values in itertools.product(*(v for _, v in swept)):
+        seeds = _as_list(sweep.get("seed", scales[scale]["training"]["seed"]))
+        if len(set(seeds)) != len(seeds):
+            raise ConfigError(f"{key}.seed", f"{seeds} repeats a seed")
+        for values, seed in itertools.product(itertools.product(*(v for _, v in swept)), seeds):
             model = {**copy.deepcopy(scales[scale]["architecture"]), **fixed, **dict(zip((k for k, _ in swept), values))}
             for field_, message in variants.check_model(model):
                 where = f"pretraining.scales.{scale}.architecture" if field_ == "hidden_size" else key
                 raise ConfigError(f"{where}.{field_}", message + (f" (scale {scale!r})" if field_ != "attention" else ""))
-            name = variants.run_name(scale, model)
+            name = variants.run_name(scale, model, seed)
             if name in runs:
                 raise ConfigError(key, f"run {name!r} is already defined by an earlier sweep")
             dataset = p.scale_dataset(scale)
@@ -190,7 +198,7 @@ def expand_sweeps(p: Plan) -> dict[str, Run]:
                 dataset=dataset,
                 synthetic=p.is_synthetic(dataset),
                 model=model,
-                training=copy.deepcopy(scales[scale]["training"]),
+                training={**copy.deepcopy(scales[scale]["training"]), "seed": seed},
                 resources=copy.deepcopy(scales[scale]["resources"]),
             )
     return runs

@@ -61,7 +61,11 @@ RUN_FIELDS = [
     "bottleneck_activation",
     "full_attention_every",
     "attention_layers",
+    "seed",
 ]
+# Runs that agree on these are replicates of one setting, differing only in their training seed:
+# the tables print their mean and spread.
+SETTING_FIELDS = [f for f in RUN_FIELDS if f not in ("run", "seed")]
 PATTERN_FIELDS = ["dilation", "bottleneck_activation", "full_attention_every", "attention_layers"]
 
 
@@ -129,8 +133,9 @@ def _variant_keys(model: dict) -> set[str]:
     return {k for k in model if k in every}
 
 
-def run_name(scale: str, model: dict) -> str:
-    """tiny-dar-w32-d16, tiny-swa-w32-full2, recall-dilated-w16-r4, tiny-dar-w32-d32-sigmoid, ..."""
+def run_name(scale: str, model: dict, seed: int = 0) -> str:
+    """tiny-dar-w32-d16, tiny-swa-w32-full2, recall-dilated-w16-r4, tiny-dar-w32-d32-sigmoid,
+    tiny-dar-w32-d16-s1 (training seed 1; seed 0 has no suffix), ..."""
     name = f"{scale}-{model['attention']}"
     for key, tag in (("window", "w"), ("dilation", "r"), ("d_down", "d")):
         if key in model:
@@ -141,11 +146,14 @@ def run_name(scale: str, model: dict) -> str:
         name += f"-full{model['full_attention_every']}"
     if model.get("attention_layers") is not None:
         name += "-layers" + ".".join(map(str, model["attention_layers"]))
+    if seed:
+        name += f"-s{seed}"
     return name
 
 
-def run_fields(run: str, model: dict) -> dict:
-    """The RUN_FIELDS of a run, from its model spec or its saved config.json (same keys).
+def run_fields(run: str, model: dict, seed: int = 0) -> dict:
+    """The RUN_FIELDS of a run, from its model spec or its saved config.json (same keys), and
+    its training seed.
 
     A field the variant does not take is None, so that a vanilla model's stored default window
     never reaches a table; ``attention_layers`` is written "1.2" (a CSV cell, not a list).
@@ -172,8 +180,9 @@ def run_fields(run: str, model: dict) -> dict:
         "bottleneck_activation": model.get("bottleneck_activation") or DEFAULT_BOTTLENECK,
         "full_attention_every": model.get("full_attention_every") or None,
         "attention_layers": str(layers) if layers not in (None, "") else None,
+        "seed": seed,
     }
-    return {k: (v if k in ("run", "attention", "hidden_size") or k in keys else None) for k, v in fields.items()}
+    return {k: (v if k in ("run", "attention", "hidden_size", "seed") or k in keys else None) for k, v in fields.items()}
 
 
 def missing(value) -> bool:

@@ -150,6 +150,22 @@ def test_bad_config_is_refused_naming_the_key(case):
     assert not isinstance(err.value, (KeyError, TypeError, AttributeError)), repr(err.value)
 
 
+def test_seeds_expand_into_replicates():
+    config = mutated(add_sweep({"scale": "micro", "attention": "dar", "window": 8, "d_down": [8, 16], "seed": [0, 1, 2]}))
+    config["pretraining"]["sweeps"] = [s for s in config["pretraining"]["sweeps"] if s["scale"] != "micro"] + \
+        [config["pretraining"]["sweeps"][-1], {"scale": "micro", "attention": "vanilla", "seed": [0, 1]}]
+    plan = plan_of(config)
+    micro = sorted(r for r in plan.runs if r.startswith("micro-"))
+    assert micro == ["micro-dar-w8-d16", "micro-dar-w8-d16-s1", "micro-dar-w8-d16-s2", "micro-dar-w8-d8",
+                     "micro-dar-w8-d8-s1", "micro-dar-w8-d8-s2", "micro-vanilla", "micro-vanilla-s1"]
+    assert plan.runs["micro-dar-w8-d8-s2"].training["seed"] == 2 == plan.runs["micro-dar-w8-d8-s2"].fields["seed"]
+    assert plan.runs["micro-dar-w8-d8"].training["seed"] == 0
+    # the scale's own training dict is left as it was
+    assert plan.config["pretraining"]["scales"]["micro"]["training"]["seed"] == 0
+    with pytest.raises(sweeps.ConfigError, match=r"seed: \[1, 1\] repeats"):
+        plan_of(mutated(add_sweep({"scale": "micro", "attention": "vanilla", "seed": [1, 1]})))
+
+
 def test_sweep_errors_carry_the_key():
     with pytest.raises(sweeps.ConfigError) as err:
         plan_of(mutated(add_sweep({"scale": "tiny", "attention": "swa", "window": 8, "dilation": 2})))

@@ -28,7 +28,7 @@ def test_the_schema_requires_what_each_variant_requires():
     required = {rule["if"]["properties"]["attention"]["const"]: set(rule["then"]["required"]) for rule in sweep["allOf"]}
     assert required == {name: set(v.requires) for name, v in VARIANTS.items() if v.requires}
     taken = set().union(*(v.takes for v in VARIANTS.values())) | variants.PATTERN_KEYS
-    assert taken == set(sweep["properties"]) - {"scale", "attention"}
+    assert taken == set(sweep["properties"]) - {"scale", "attention", "seed"}
 
 
 @pytest.mark.parametrize("scale,model,name", [
@@ -44,7 +44,8 @@ def test_the_schema_requires_what_each_variant_requires():
      "recall-dar-w16-d16-layers1.2"),
 ])
 def test_run_names(scale, model, name):
-    assert run_name(scale, model) == name
+    assert run_name(scale, model) == name == run_name(scale, model, seed=0)
+    assert run_name(scale, model, seed=3) == name + "-s3"
 
 
 ARCH = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
@@ -97,9 +98,10 @@ def test_run_fields_keep_only_what_the_variant_takes():
     assert list(fields) == variants.RUN_FIELDS
     assert fields == {"run": "tiny-uniform-d16", "attention": "uniform", "hidden_size": 64, "d_down": 16,
                       "window": None, "dilation": None, "bottleneck_activation": "linear",
-                      "full_attention_every": None, "attention_layers": "0.1"}
-    vanilla = run_fields("v", {**saved, "attention": "vanilla"})
-    assert {k for k, v in vanilla.items() if v is not None} == {"run", "attention", "hidden_size"}
+                      "full_attention_every": None, "attention_layers": "0.1", "seed": 0}
+    vanilla = run_fields("v", {**saved, "attention": "vanilla"}, seed=2)
+    assert {k for k, v in vanilla.items() if v is not None} == {"run", "attention", "hidden_size", "seed"}
+    assert vanilla["seed"] == 2
 
 
 def test_run_fields_refuse_a_record_without_what_its_variant_needs():
