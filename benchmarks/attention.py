@@ -1,6 +1,6 @@
 """Side-by-side benchmarks of the attention kernels, one JSON object per line.
 
-    python benchmarks/attention.py                  # CPU suite (a)-(d), 2 threads
+    python benchmarks/attention.py                  # CPU suite (a)-(e), 2 threads
     python benchmarks/attention.py --only a,b       # a subset
     python benchmarks/attention.py --suite gpu      # Pythia-70M shapes on CUDA: tokens/s, MFU
 
@@ -10,8 +10,12 @@ same process, interleaved, so that machine noise hits both sides alike. Times ar
 (a) DAR attention forward+backward / vanilla causal SDPA, B=4 H=8 T=2048 D=64 w=128
     (target <= 1.5; the FLOP ratio is printed beside it).
 (b) sliding-window forward at T=8192 / T=2048, w=256 (linear: ~4), beside full causal (~16).
-(c) one DAR training step / one vanilla step on the default config's model.
+(c) one DAR training step / one vanilla step on the default config's model, in float32 and
+    under bf16 autocast (fused AdamW, as dimattn.training runs it); benchmarks/training.py has
+    the throughput and MFU of these steps.
 (d) DAR cache bytes / vanilla KV-cache bytes after a 4096-token prompt.
+(e) DAR's blocked kernel (forward+backward) in bfloat16 / in float32, at the default model's
+    attention shape and at (a)'s (target <= 1: bf16 at least as fast).
 """
 
 import argparse
@@ -30,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dimattn import DimAttnConfig, DimAttnForCausalLM  # noqa: E402
 from dimattn.attention import dar_attention, sliding_window_attention  # noqa: E402
 from dimattn.modeling_dimattn import kv_cache_nbytes  # noqa: E402
+from dimattn.training import keep_freed_memory  # noqa: E402
 
 H200_BF16_FLOPS = 790e12  # measured dense bf16 matmul peak of the lent H200 (device README)
 
@@ -117,23 +122,49 @@ def bench_train_step(repeats, config_path: Path):
     models = {}
     for name, extra in {"vanilla": dict(attention="vanilla"),
                         "dar": dict(attention="dar", window=window, d_down=d_down)}.items():
-        torch.manual_seed(0)
-        model = DimAttnForCausalLM(DimAttnConfig(vocab_size=vocab, max_position_embeddings=T, **arch, **extra))
-        models[name] = (model.train(), torch.optim.AdamW(model.parameters(), lr=1e-3))
+        for precision in ("fp32", "bf16"):
+            torch.manual_seed(0)
+            model = DimAttnForCausalLM(DimAttnConfig(vocab_size=vocab, max_position_embeddings=T, **arch, **extra))
+            models[name, precision] = (model.train(), torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
     x = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(0))
 
-    def step(name):
+    def step(name, precision):
         def run():
-            model, opt = models[name]
-            model(x, labels=x).loss.backward()
+            model, opt = models[name, precision]
+            with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+                loss = model(x, labels=x).loss
+            loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         return run
 
-    t = interleaved({"vanilla": step("vanilla"), "dar": step("dar")}, repeats)
-    emit({"name": "c_dar_train_step_over_vanilla", "ratio": t["dar"] / t["vanilla"], "dar_s": t["dar"],
-          "vanilla_s": t["vanilla"], "model": {**arch, "window": window, "d_down": d_down, "vocab": vocab},
-          "batch": [B, T]})
+    t = interleaved({key: step(*key) for key in models}, repeats)
+    for precision, suffix in (("fp32", ""), ("bf16", "_bf16")):
+        dar, vanilla = t["dar", precision], t["vanilla", precision]
+        emit({"name": f"c_dar_train_step_over_vanilla{suffix}", "ratio": dar / vanilla, "dar_s": dar,
+              "vanilla_s": vanilla, "precision": precision,
+              "model": {**arch, "window": window, "d_down": d_down, "vocab": vocab}, "batch": [B, T]})
+
+
+def bench_bf16_kernel(repeats, config_path: Path):
+    """DAR's blocked kernel, forward and backward, bf16 / fp32 on the same inputs."""
+    scale, window, _, _ = _default_scale(config_path)
+    arch = scale["architecture"]
+    heads = arch["num_attention_heads"]
+    shapes = {
+        "default": (scale["training"]["batch_size"], heads, scale["training"]["seq_len"],
+                    arch["hidden_size"] // heads, window),
+        "a": (4, 8, 2048, 64, 128),
+    }
+    for label, (B, H, T, D, w) in shapes.items():
+        inputs = {dtype: _qkv(5, B, H, T, D, grad=True, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+
+        def run(dtype):
+            return lambda: dar_attention(*inputs[dtype], w, kernel="blocked").sum().backward()
+
+        t = interleaved({"fp32": run(torch.float32), "bf16": run(torch.bfloat16)}, repeats if T <= 512 else 3)
+        emit({"name": f"e_dar_kernel_bf16_over_fp32_{label}", "ratio": t["bf16"] / t["fp32"], "target": "<= 1",
+              "bf16_s": t["bf16"], "fp32_s": t["fp32"], "shape": dict(B=B, H=H, T=T, D=D, window=w)})
 
 
 @torch.no_grad()
@@ -200,18 +231,19 @@ def bench_gpu(repeats, steps_per_measure=5):
     emit({"name": "gpu_dar_over_vanilla_step", "ratio": results["dar"] / results["vanilla"]})
 
 
-CPU_BENCHES = {"a": "dar", "b": "swa", "c": "step", "d": "cache"}
+CPU_BENCHES = {"a": "dar", "b": "swa", "c": "step", "d": "cache", "e": "bf16"}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=["cpu", "gpu"], default="cpu")
-    parser.add_argument("--only", default="a,b,c,d", help="comma-separated subset of a,b,c,d (cpu suite)")
+    parser.add_argument("--only", default="a,b,c,d,e", help="comma-separated subset of a,b,c,d,e (cpu suite)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--config", type=Path, default=Path(__file__).resolve().parents[1] / "config.yaml")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as dimattn.training does on CPU
     if args.suite == "gpu":
         if not torch.cuda.is_available():
             parser.error("--suite gpu needs CUDA")
@@ -220,7 +252,7 @@ def main(argv=None):
     only = set(args.only.split(","))
     unknown = only - set(CPU_BENCHES)
     if unknown:
-        parser.error(f"unknown benchmark(s) {sorted(unknown)}; choose from a,b,c,d")
+        parser.error(f"unknown benchmark(s) {sorted(unknown)}; choose from a,b,c,d,e")
     if "a" in only:
         bench_dar_vs_sdpa(args.repeats)
     if "b" in only:
@@ -229,6 +261,8 @@ def main(argv=None):
         bench_train_step(args.repeats, args.config)
     if "d" in only:
         bench_cache_bytes(args.config)
+    if "e" in only:
+        bench_bf16_kernel(args.repeats, args.config)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,15 @@ Three implementations compute the same thing, chosen by ``kernel``:
 - ``"dense"``: one SDPA call under a boolean mask (for DAR, over the two key sets concatenated,
   a Tq x 2Tk mask). Handles a KV cache (q_offset) and key padding; the reference path.
 - ``"blocked"``: training and prefill on CPU. Each pattern is a sum of *paths* (a band of recent
-  keys, a causal set shifted by the window, a strided set), each computed on its own, and merged
-  through their log-sum-exp into one softmax. No T x 2T mask exists; the band costs
-  O(T * 2 block), the shifted causal path runs in PyTorch's fused CPU flash kernel. The backward
-  is exact: each path's gradient uses the *merged* output and log-sum-exp.
+  keys, a causal set shifted by the window, a strided set). On CPU the *joint kernel* lays the
+  paths' scores side by side, block of queries by block, each block holding only the keys its
+  queries can see, under one softmax: batched matmuls in the inputs' dtype (bfloat16 under
+  autocast) and in-place passes, probabilities kept for an exact backward. Where those would
+  pass JOINT_MAX_BYTES (and off CPU) each path is computed on its own and merged through the
+  log-sum-exp into one softmax: no T x 2T mask exists, the band costs O(T * 2 block), the
+  shifted causal path runs in PyTorch's fused CPU flash kernel, and the backward is exact (each
+  path's gradient uses the *merged* output and log-sum-exp). Vanilla and uniform layers take
+  the joint kernel too ("auto" and "blocked"), with one causal path.
 - ``"flex"``: FlexAttention with a block mask, for CUDA (where it compiles to a fused kernel
   with a backward); on CPU it runs unfused and forward-only, which is what the tests check.
 
@@ -107,7 +112,32 @@ def _fused_cpu(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64, torch.bfloat16)
 
 
-class Band:
+class _Path:
+    """A set of keys per query. For the joint kernel: ``key()`` (equal paths hash alike, so that
+    plans are cached), ``key_range`` (the keys a block of queries may see), ``live`` (which of
+    them a query does see), ``key_count``, and ``joint_kv`` / ``joint_grads`` (the keys the
+    columns index, and their gradients back onto k and v)."""
+
+    def key(self) -> tuple:
+        raise NotImplementedError
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.key() == self.key()
+
+    def __hash__(self):
+        return hash(self.key())
+
+    def key_count(self, t: int) -> int:
+        return t
+
+    def joint_kv(self, k, v):
+        return k, v
+
+    def joint_grads(self, dk, dv, k, v):
+        return dk, dv
+
+
+class Band(_Path):
     """Keys 0 <= i - j < window, block by block: a block of b queries sees its own block and the
     m - 1 blocks before it (L = m b >= window - 1 + b keys), so the scores cost T * L, never
     T^2; blocks of b ~ window / 2 (at most 64) trade some wasted scores for larger matmuls. The key spans are strided
@@ -118,6 +148,16 @@ class Band:
         self.window = window
 
     block = None  # queries per block; None: about window / 2
+
+    def key(self):
+        return ("band", self.window)
+
+    def key_range(self, n0: int, n1: int, t: int) -> tuple[int, int]:
+        """Keys queries n0 .. n1 - 1 may see (the joint kernel's column span)."""
+        return max(0, n0 - self.window + 1), n1
+
+    def live(self, i, j):
+        return (i - j >= 0) & (i - j < self.window)
 
     def _geometry(self, t: int):
         b = self.block or min(64, max(16, self.window // 2))
@@ -241,12 +281,21 @@ class Band:
         return dq.flatten(-3, -2)[..., :t, :], trim(dk), trim(dv)
 
 
-class ShiftedCausal:
+class ShiftedCausal(_Path):
     """Keys j <= i - shift: causal attention of queries [shift:] over keys [:T - shift], in
     PyTorch's fused CPU flash kernel (which returns the log-sum-exp the merge needs)."""
 
     def __init__(self, shift: int):
         self.shift = shift
+
+    def key(self):
+        return ("shifted", self.shift)
+
+    def key_range(self, n0: int, n1: int, t: int) -> tuple[int, int]:
+        return 0, max(0, n1 - self.shift)
+
+    def live(self, i, j):
+        return i - j >= self.shift
 
     def forward(self, q, k, v, scale):
         t, s = q.shape[-2], self.shift
@@ -278,12 +327,33 @@ class ShiftedCausal:
         return F.pad(dq, (0, 0, s, 0)), F.pad(dk, (0, 0, 0, s)), F.pad(dv, (0, 0, 0, s))
 
 
-class Strided:
+class Strided(_Path):
     """Dilated keys beyond the window: absolute positions 0, r, 2r, ... with i - j >= window.
     Scores cost O(T * T / r)."""
 
     def __init__(self, window: int, dilation: int):
         self.window, self.dilation = window, dilation
+
+    def key(self):
+        return ("strided", self.window, self.dilation)
+
+    # The joint kernel sees the strided keys k[::r] only: column m is absolute position m r.
+    def key_range(self, n0: int, n1: int, t: int) -> tuple[int, int]:
+        return 0, -(-max(0, n1 - self.window) // self.dilation)
+
+    def key_count(self, t: int) -> int:
+        return -(-t // self.dilation)
+
+    def live(self, i, m):
+        return i - m * self.dilation >= self.window
+
+    def joint_kv(self, k, v):
+        return k[..., :: self.dilation, :], v[..., :: self.dilation, :]
+
+    def joint_grads(self, dk, dv, k, v):
+        full_k, full_v = k.new_zeros(k.shape), v.new_zeros(v.shape)
+        full_k[..., :: self.dilation, :], full_v[..., :: self.dilation, :] = dk, dv
+        return full_k, full_v
 
     def _mask(self, t, device):
         i = torch.arange(t, device=device)[:, None]
@@ -336,11 +406,154 @@ class _MergedAttention(torch.autograd.Function):
         return dq.to(q.dtype), None, None, *grads
 
 
+# --- the joint kernel: CPU training --------------------------------------------------------------
+#
+# On CPU the paths' scores are laid side by side and go through one softmax, block of JOINT_ROWS
+# queries by block: block n's columns are only the keys its queries can see (a causal block skips
+# the keys after it, the band keeps window + rows keys), so about half of a T x T score matrix
+# exists, in pieces that stay in cache. Every step is a batched matmul in the inputs' dtype
+# (bfloat16 under autocast: the CPU's fast path) over plain row-major blocks (a block's key
+# segments are copied side by side), or one pass of add, softmax, subtract or multiply, in
+# place; block widths are padded with masked keys so that softmax runs without a scalar tail.
+# The probabilities are kept for the backward, which is exact; where they would pass
+# JOINT_MAX_BYTES the merged paths above take over (flash, O(T) memory). PyTorch's flash kernel
+# spends most of its time outside the matmuls at these sizes, in bfloat16 most of all: DAR's
+# forward and backward at the default model's shape (T 256, head_dim 32) run ~5x faster in
+# bfloat16 than through the merged paths, and ~2x faster at T 2048, head_dim 64.
+
+JOINT_ROWS = 64
+JOINT_ALIGN = 32  # block widths are padded to a multiple (masked keys): softmax has no scalar tail
+JOINT_MAX_BYTES = 256 << 20  # probabilities kept for the backward, per call
+
+
+@functools.lru_cache(maxsize=256)
+def _joint_plan(paths, t, device, dtype, rows, align):
+    """[(n0, n1, [(path index, key start, key stop), ...], bias), ...] for queries in blocks of
+    ``rows`` (JOINT_ROWS), widths padded to a multiple of ``align`` (JOINT_ALIGN). bias:
+    (n1 - n0, columns), 0 where the key is live, -inf where it is masked; None when every key is
+    live. (Adding it over the whole block beats adding a strided part.)"""
+    plan = []
+    for n0 in range(0, t, rows):
+        n1 = min(t, n0 + rows)
+        segments = [[i, *path.key_range(n0, n1, t)] for i, path in enumerate(paths)]
+        segments = [seg for seg in segments if seg[2] > seg[1]]
+        short = -sum(b - a for _, a, b in segments) % align
+        for seg in segments:  # widen with masked keys where the key set has some to spare
+            grow = min(short, paths[seg[0]].key_count(t) - seg[2])
+            seg[2] += grow
+            short -= grow
+            grow = min(short, seg[1])
+            seg[1] -= grow
+            short -= grow
+        i = torch.arange(n0, n1, device=device)[:, None]
+        live = torch.cat([paths[p].live(i, torch.arange(a, b, device=device)[None, :]) for p, a, b in segments], 1)
+        if not bool(live.any(-1).all()):
+            raise ValueError("every query needs a key: the joint kernel has no empty-row handling")
+        bias = None
+        if not bool(live.all()):
+            bias = torch.zeros(live.shape, device=device, dtype=dtype).masked_fill_(~live, NEG_INF)
+        plan.append((n0, n1, [tuple(seg) for seg in segments], bias))
+    return plan
+
+
+def _plan(paths, t, device, dtype):
+    return _joint_plan(tuple(paths), t, str(device), dtype, JOINT_ROWS, JOINT_ALIGN)
+
+
+def _rows(x):  # (B, H, T, D) -> (B H, T, D), contiguous
+    return x.reshape(-1, *x.shape[-2:]).contiguous()
+
+
+def _gather(xs, segments):
+    """The keys (or values) of a block's segments, side by side: (B H, columns, D). One segment
+    is a view; several are copied together, so that every matmul reads plain row-major blocks."""
+    parts = [xs[i][:, a:b] for i, a, b in segments]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+class _JointAttention(torch.autograd.Function):
+    """One softmax over all paths' keys, by blocks of queries (see above)."""
+
+    @staticmethod
+    def forward(ctx, q, paths, scale, keep, *kvs):
+        shape, t = q.shape, q.shape[-2]
+        qs = _rows(q * scale)  # the scale rides on q: a T x D pass instead of a T x T one
+        keys, values = [], []
+        for path, k, v in zip(paths, kvs[0::2], kvs[1::2]):
+            k, v = path.joint_kv(k, v)
+            keys.append(_rows(k))
+            values.append(_rows(v))
+        out = qs.new_empty(qs.shape[0], t, values[0].shape[-1])
+        plan = _plan(paths, t, q.device, qs.dtype)
+        probs = []
+        for n0, n1, segments, bias in plan:
+            s = torch.bmm(qs[:, n0:n1], _gather(keys, segments).transpose(1, 2))
+            if bias is not None:
+                s.add_(bias)
+            p = torch.softmax(s, -1)
+            torch.bmm(p, _gather(values, segments), out=out[:, n0:n1])
+            if keep:
+                probs.append(p)
+        if keep:
+            ctx.paths, ctx.scale, ctx.plan, ctx.shape, ctx.n = paths, scale, plan, shape, len(paths)
+            ctx.save_for_backward(qs, out, *kvs, *keys, *values, *probs)
+        return out.view(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, d_out):
+        n = ctx.n
+        qs, out, *rest = ctx.saved_tensors
+        kvs, keys, values, probs = rest[: 2 * n], rest[2 * n : 3 * n], rest[3 * n : 4 * n], rest[4 * n :]
+        d_out = _rows(d_out.to(out.dtype))
+        wide = torch.promote_types(out.dtype, torch.float32)
+        delta = (d_out.to(wide) * out.to(wide)).sum(-1, keepdim=True).to(out.dtype)  # rowsum(dO * O)
+        dq = torch.empty_like(qs)
+        dks, dvs = [torch.zeros_like(k) for k in keys], [torch.zeros_like(v) for v in values]
+        for (n0, n1, segments, _), p in zip(ctx.plan, probs):
+            ds = torch.bmm(d_out[:, n0:n1], _gather(values, segments).transpose(1, 2))
+            # dS = P (dP - rowsum(dO O)), in place in P's dtype: under bfloat16 the row sum's
+            # rounding is of the order of dP's own, and two passes cost less than five.
+            ds.sub_(delta[:, n0:n1]).mul_(p)
+            torch.bmm(ds, _gather(keys, segments), out=dq[:, n0:n1])
+            if len(segments) == 1:
+                i, a, b = segments[0]
+                dks[i][:, a:b].baddbmm_(ds.transpose(1, 2), qs[:, n0:n1])
+                dvs[i][:, a:b].baddbmm_(p.transpose(1, 2), d_out[:, n0:n1])
+                continue
+            dk, dv = ds.transpose(1, 2) @ qs[:, n0:n1], p.transpose(1, 2) @ d_out[:, n0:n1]
+            c = 0
+            for i, a, b in segments:
+                dks[i][:, a:b] += dk[:, c : c + b - a]
+                dvs[i][:, a:b] += dv[:, c : c + b - a]
+                c += b - a
+        b_, h_ = ctx.shape[:2]
+        grads = []
+        for path, k, v, dk, dv in zip(ctx.paths, kvs[0::2], kvs[1::2], dks, dvs):
+            dk, dv = path.joint_grads(dk.unflatten(0, (b_, h_)), dv.unflatten(0, (b_, h_)), k, v)
+            grads += [dk.to(k.dtype), dv.to(v.dtype)]
+        return dq.mul_(ctx.scale).view(ctx.shape), None, None, None, *grads
+
+
+def _joint(q, paths, kvs):
+    """The joint kernel's output, or None where it does not serve (not CPU, or over budget)."""
+    if q.device.type != "cpu":
+        return None
+    keep = torch.is_grad_enabled() and any(x.requires_grad for x in (q, *kvs))
+    if keep:
+        plan = _plan(paths, q.shape[-2], q.device, q.dtype)
+        kept = sum((n1 - n0) * sum(b - a for _, a, b in segments) for n0, n1, segments, _ in plan)
+        if kept * q.shape[0] * q.shape[1] * q.element_size() > JOINT_MAX_BYTES:
+            return None
+    return _JointAttention.apply(q, paths, q.shape[-1] ** -0.5, keep, *kvs)
+
+
 def blocked_attention(q, paths_and_kvs):
-    """Attention over [(path, k, v), ...] merged through the log-sum-exp (see module doc)."""
+    """Attention over [(path, k, v), ...]: the joint kernel on CPU, else each path on its own,
+    merged through the log-sum-exp (see module doc)."""
     paths = tuple(p for p, _, _ in paths_and_kvs)
     kvs = [x for _, k, v in paths_and_kvs for x in (k, v)]
-    return _MergedAttention.apply(q, paths, q.shape[-1] ** -0.5, *kvs)
+    out = _joint(q, paths, kvs)
+    return out if out is not None else _MergedAttention.apply(q, paths, q.shape[-1] ** -0.5, *kvs)
 
 
 # --- FlexAttention (CUDA) ----------------------------------------------------------------------
@@ -411,12 +624,14 @@ def _check_window(window: int, minimum: int) -> None:
         raise ValueError(f"window must be >= {minimum}, got {window}")
 
 
-def causal_attention(q, k, v, *, q_offset: int | None = None, key_padding_mask=None):
-    """Softmax(q k^T / sqrt(d)) v over keys j <= i."""
+def causal_attention(q, k, v, *, q_offset: int | None = None, key_padding_mask=None, kernel: str = "auto"):
+    """Softmax(q k^T / sqrt(d)) v over keys j <= i. ``kernel``: "auto" and "blocked" take the
+    joint kernel on CPU for short aligned sequences (ShiftedCausal(0)), else SDPA."""
     tq, tk = q.shape[-2], k.shape[-2]
     q_offset = tk - tq if q_offset is None else q_offset
     if key_padding_mask is None and q_offset == 0 and tq == tk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = _joint(q, (ShiftedCausal(0),), [k, v]) if kernel in ("auto", "blocked") and tq > 1 else None
+        return out if out is not None else F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return _dense(q, k, v, _distances(tq, tk, q_offset, q.device) >= 0, key_padding_mask)
 
 
@@ -435,7 +650,7 @@ def dar_attention(
     kernel = _choose(kernel, q, tk, q_offset, key_padding_mask)
     if kernel == "blocked":
         if window == 0:  # no near path: every key through the bottleneck (uniform)
-            return F.scaled_dot_product_attention(q, k_far, v_far, is_causal=True)
+            return causal_attention(q, k_far, v_far, kernel=kernel)
         return blocked_attention(q, [(Band(window), k_near, v_near), (ShiftedCausal(window), k_far, v_far)])
     if kernel == "flex":
         k, v = torch.cat([k_near, k_far], dim=-2), torch.cat([v_near, v_far], dim=-2)
@@ -520,11 +735,11 @@ class AttentionVariant:
 
 
 def _vanilla(q, near_kv, far_kv, *, window, dilation, q_offset, key_padding_mask, kernel):
-    return causal_attention(q, *near_kv, q_offset=q_offset, key_padding_mask=key_padding_mask)
+    return causal_attention(q, *near_kv, q_offset=q_offset, key_padding_mask=key_padding_mask, kernel=kernel)
 
 
 def _uniform(q, near_kv, far_kv, *, window, dilation, q_offset, key_padding_mask, kernel):
-    return causal_attention(q, *far_kv, q_offset=q_offset, key_padding_mask=key_padding_mask)
+    return causal_attention(q, *far_kv, q_offset=q_offset, key_padding_mask=key_padding_mask, kernel=kernel)
 
 
 def _dar(q, near_kv, far_kv, *, window, dilation, q_offset, key_padding_mask, kernel):

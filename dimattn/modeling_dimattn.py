@@ -1,7 +1,9 @@
 """A Pythia / GPT-NeoX style causal LM whose attention keeps full-dimensional keys and values for
 the last ``window`` tokens and sends older tokens through a ``d_down`` bottleneck (seed 000).
 
-Read top to bottom: rotary embedding, Bottleneck, CausalSelfAttention, MLP, Block, the model.
+Read top to bottom: rotary embedding, Bottleneck, CausalSelfAttention, MLP, Block, the model,
+and the training loss (``lm_head_loss``: on CPU, a loss asked for with return_logits=False
+comes without the logits).
 Parameter names follow transformers' GPT-NeoX so that a vanilla model counts exactly as Pythia.
 """
 
@@ -51,6 +53,38 @@ def apply_rotary(x, cos, sin):
     x_rot, x_pass = x[..., :n], x[..., n:]
     x_rot = x_rot * cos.to(x.dtype) + rotate_half(x_rot) * sin.to(x.dtype)
     return torch.cat((x_rot, x_pass), dim=-1)
+
+
+class Rope:
+    """The rotary embedding of one forward (apply_rotary's), laid out for the fused q | k | v
+    projection: x (B, T, H, P, hs) -> x * C + rotate_half(x) * S with C = [cos, 1] and
+    S = [sin, 0] over head_dim, on rows of q | k | v (a value row is left as it is: C = 1,
+    S = 0). rotate_half of the first n channels is a fixed signed permutation, applied as a
+    (hs x hs) matmul: three full-width passes instead of a dozen small strided ones."""
+
+    def __init__(self, cos, sin, head_dim: int):  # cos, sin: (B, 1, T, n)
+        b, _, t, n = cos.shape
+        pad = head_dim - n
+        row = lambda x, fill: torch.cat([x[:, 0], x.new_full((b, t, pad), fill)], -1)  # noqa: E731
+        c, s = row(cos, 1.0), row(sin, 0.0)
+        self.c = torch.stack([c, c, torch.ones_like(c)], -2)[:, :, None]  # (B, T, 1, 3, hs)
+        self.s = torch.stack([s, s, torch.zeros_like(s)], -2)[:, :, None]
+        r = torch.zeros(head_dim, head_dim, device=cos.device)
+        half = torch.arange(n // 2, device=cos.device)
+        r[half + n // 2, half] = -1.0  # rotate_half: [x1, x2] -> [-x2, x1]
+        r[half, half + n // 2] = 1.0
+        self.r, self._cast = r, {}
+
+    def _tables(self, dtype):
+        if dtype not in self._cast:
+            self._cast[dtype] = tuple(x.to(dtype) for x in (self.c, self.s, self.r))
+        return self._cast[dtype]
+
+    def __call__(self, x, rows=slice(0, 3)):
+        """x: (B, T, H, P, hs), its P rows being rows ``rows`` of q | k | v."""
+        c, s, r = self._tables(x.dtype)
+        turned = (x.reshape(-1, x.shape[-1]) @ r).view(x.shape)  # one 2-D matmul, never a batched one
+        return torch.addcmul(x * c[..., rows, :], turned, s[..., rows, :])
 
 
 class Bottleneck(nn.Module):
@@ -152,22 +186,22 @@ class CausalSelfAttention(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.bottleneck = Bottleneck(config) if self.variant.far else None
 
-    def _split_heads(self, x, parts):  # (B, T, H * parts * hs) -> parts x (B, H, T, hs)
-        b, t, _ = x.shape
-        x = x.view(b, t, self.num_heads, parts * self.head_dim).transpose(1, 2)
-        return x.chunk(parts, dim=-1)
+    def _far_key_value(self, z):
+        """Keys and values of the bottlenecked states h' = z W_up, reusing W_K and W_V (seed 000,
+        Eq. 3), from the d_down latent z: z (W W_up)^T + b, a d_down -> d matmul each instead of
+        d_down -> d -> d. (B, T, d_down) -> keys, values (B, T, H, hs)."""
+        d, heads, hs = self.config.hidden_size, self.num_heads, self.head_dim
+        w, b = self.query_key_value.weight.view(heads, 3, hs, d), self.query_key_value.bias.view(heads, 3, hs)
+        up = self.bottleneck.up.weight
+        return tuple(F.linear(z, w[:, i].reshape(-1, d) @ up, b[:, i].reshape(-1)).unflatten(-1, (heads, hs))
+                     for i in (1, 2))
 
-    def _key_value(self, h_far):
-        """Keys and values of the bottlenecked states, reusing W_K and W_V (seed 000, Eq. 3)."""
-        d = self.config.hidden_size
-        w = self.query_key_value.weight.view(self.num_heads, 3, self.head_dim, d)[:, 1:]
-        b = self.query_key_value.bias.view(self.num_heads, 3, self.head_dim)[:, 1:]
-        return self._split_heads(F.linear(h_far, w.reshape(-1, d), b.reshape(-1)), 2)
-
-    def forward(self, h, cos, sin, key_padding_mask=None, cache: Cache | None = None, rope_all=None):
+    def forward(self, h, rope: Rope, key_padding_mask=None, cache: Cache | None = None, rope_all=None):
         b, t, _ = h.shape
-        q, k, v = self._split_heads(self.query_key_value(h), 3)  # (B, H, T, hs)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # GPT-NeoX layout: per head [q | k | v]; q and k rotate in one pass.
+        qk, v = self.query_key_value(h).unflatten(-1, (self.num_heads, 3, self.head_dim)).split([2, 1], -2)
+        q, k = (x.transpose(1, 2) for x in rope(qk, rows=slice(0, 2)).unbind(-2))  # (B, H, T, hs)
+        v = v.squeeze(-2).transpose(1, 2)
         if isinstance(cache, DimAttnCache) and self.layer_idx in cache.latent_layers:
             out = self._attend_from_latents(q, k, v, h, cache, rope_all, key_padding_mask)
             return self.dense(out.transpose(1, 2).reshape(b, t, -1))
@@ -175,8 +209,9 @@ class CausalSelfAttention(nn.Module):
         if self.variant.near:
             near_kv = (k, v)
         if self.variant.far:
-            k_far, v_far = self._key_value(self.bottleneck(h))
-            far_kv = (apply_rotary(k_far, cos, sin), v_far)
+            k_far, v_far = self._far_key_value(self.bottleneck.encode(h))
+            k_far = rope(k_far.unsqueeze(-2), rows=slice(1, 2)).squeeze(-2)
+            far_kv = (k_far.transpose(1, 2), v_far.transpose(1, 2))
 
         if cache is not None:
             # One cache entry per layer: near and far sets side by side along head_dim.
@@ -208,7 +243,7 @@ class CausalSelfAttention(nn.Module):
         z = self.bottleneck.encode(h)
         state.latent = z if state.latent is None else torch.cat([state.latent, z], dim=1)
         slots = state.latent.shape[1]
-        k_far, v_far = self._key_value(self.bottleneck.up(state.latent))
+        k_far, v_far = (x.transpose(1, 2) for x in self._far_key_value(state.latent))  # (B, H, slots, hs)
         k_far = apply_rotary(k_far, *rope_all)
         window = self.config.window if self.variant.near else 0
         if window:
@@ -242,8 +277,8 @@ class Block(nn.Module):
         self.attention = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, key_padding_mask=None, cache=None, rope_all=None):
-        a = self.attention(self.input_layernorm(x), cos, sin, key_padding_mask, cache, rope_all)
+    def forward(self, x, rope, key_padding_mask=None, cache=None, rope_all=None):
+        a = self.attention(self.input_layernorm(x), rope, key_padding_mask, cache, rope_all)
         if self.use_parallel_residual:  # Pythia: x + attn(ln1(x)) + mlp(ln2(x))
             return x + a + self.mlp(self.post_attention_layernorm(x))
         x = x + a
@@ -307,7 +342,7 @@ class DimAttnModel(DimAttnPreTrainedModel):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
             else:
                 position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
-        cos, sin = self.rotary(position_ids)
+        rope = Rope(*self.rotary(position_ids), self.config.head_dim)
         rope_all = None
         if isinstance(cache, DimAttnCache):  # far keys of every slot are rebuilt at their positions
             positions = position_ids.to(torch.int32)
@@ -317,7 +352,7 @@ class DimAttnModel(DimAttnPreTrainedModel):
             rope_all = self.rotary(positions)
         x = self.embed_in(input_ids)  # (B, T, d)
         for block in self.layers:
-            x = block(x, cos, sin, key_padding_mask, cache, rope_all)
+            x = block(x, rope, key_padding_mask, cache, rope_all)
         if isinstance(cache, DimAttnCache):
             cache.num_slots += t
         return self.final_layer_norm(x)
@@ -346,8 +381,12 @@ class DimAttnForCausalLM(DimAttnPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int = 0,
         past_key_values: Cache | None = None,
+        return_logits: bool = True,
         **kwargs,
     ):
+        """The usual causal-LM forward. ``return_logits=False`` with ``labels`` (our trainer and
+        validation loss) lets a CPU forward compute the loss without the (N, V) logits, which
+        then come back as None; every other caller gets logits as from any transformers model."""
         cache = cache if cache is not None else past_key_values
         if self.config.uses_bottleneck and type(cache) is DynamicCache and cache.get_seq_length() == 0:
             cache = None  # generate() hands every model an empty DynamicCache; DAR keeps its own
@@ -356,6 +395,10 @@ class DimAttnForCausalLM(DimAttnPreTrainedModel, GenerationMixin):
         hidden = self.gpt_neox(input_ids, attention_mask, position_ids, cache if use_cache is not False else None)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
+        if labels is not None and not return_logits and _fused_loss_applies(hidden, logits_to_keep):
+            # A loss on CPU: the logits are never materialised (logits=None), see lm_head_loss.
+            loss = lm_head_loss(hidden[:, :-1].flatten(0, 1), self.embed_out.weight, labels[:, 1:].flatten())
+            return CausalLMOutputWithPast(loss=loss, logits=None, cache=cache)
         logits = self.embed_out(hidden)
         loss = None
         if labels is not None:  # next-token prediction, seed 000 Eq. 5
@@ -363,3 +406,92 @@ class DimAttnForCausalLM(DimAttnPreTrainedModel, GenerationMixin):
                 logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
             )
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+
+# --- the training loss without the logits ---------------------------------------------------------
+
+# Logits per chunk of lm_head_loss (rows x vocab): a chunk's scores and probabilities stay in cache.
+LOSS_CHUNK_ELEMENTS = 1 << 20
+# Rows whose softmax gradient is summed into W's gradient in one matmul (a longer reduction per
+# call; fewer bf16 -> fp32 accumulations).
+LOSS_GRAD_ROWS = 512
+
+
+def _fused_loss_applies(hidden, logits_to_keep) -> bool:
+    """The chunked loss serves losses asked for without logits on CPU (training and validation);
+    CUDA keeps F.cross_entropy (fused by torch.compile there)."""
+    return not logits_to_keep and hidden.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+class _LMHeadLoss(torch.autograd.Function):
+    """mean over labelled rows of -log softmax(h W^T)[label], chunk by chunk of rows.
+
+    The forward computes the gradients too when they are wanted (softmax - onehot is at hand
+    there), so the (N, V) logits, their fp32 copy, log-softmax and its gradient never exist as
+    whole tensors: on CPU those passes over N x V floats cost more than the head's matmuls.
+    Matmuls run in ``dtype`` (bfloat16 under autocast), the softmax and the loss in float32.
+    The backward only scales."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, dtype, need_grad):
+        with torch.autocast(hidden.device.type, enabled=False):
+            h, w = hidden.to(dtype), weight.to(dtype)
+            n, vocab = h.shape[0], w.shape[0]
+            rows = max(1, min(n, LOSS_CHUNK_ELEMENTS // vocab))
+            group = max(rows, LOSS_GRAD_ROWS // rows * rows)
+            wide = torch.promote_types(dtype, torch.float32)
+            valid = labels != -100
+            target = labels.clamp(min=0)[:, None]
+            nll = torch.empty(n, dtype=wide, device=h.device)
+            if need_grad:
+                grad_h = torch.empty_like(h)
+                grad_w = torch.zeros(weight.shape, dtype=wide, device=h.device)
+                grad_logits = torch.empty(min(group, n), vocab, dtype=dtype, device=h.device)
+            for g0 in range(0, n, group):
+                g1 = min(n, g0 + group)
+                for s in range(g0, g1, rows):
+                    e = min(g1, s + rows)
+                    p = torch.softmax(h[s:e] @ w.T, -1, dtype=wide)
+                    tgt, live = target[s:e], valid[s:e, None]
+                    p_target = p.gather(1, tgt)
+                    nll[s:e] = _nll(p_target, h[s:e], w, tgt).squeeze(1)
+                    if not need_grad:
+                        continue
+                    p.scatter_(1, tgt, p_target - live.to(p.dtype))  # softmax - onehot
+                    if not bool(live.all()):
+                        p.mul_(live)
+                    grad_logits[s - g0 : e - g0].copy_(p)
+                    torch.mm(grad_logits[s - g0 : e - g0], w, out=grad_h[s:e])
+                if need_grad:
+                    grad_w.add_(grad_logits[: g1 - g0].T @ h[g0:g1])
+            count = valid.sum()
+            loss = torch.where(valid, nll, 0.0).sum() / count  # 0 / 0 = nan, as F.cross_entropy
+        if need_grad:
+            ctx.save_for_backward(grad_h, grad_w, count)
+            ctx.hidden_dtype = hidden.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, d_loss):
+        grad_h, grad_w, count = ctx.saved_tensors
+        scale = d_loss / count
+        return grad_h.to(ctx.hidden_dtype) * scale, grad_w * scale, None, None, None
+
+
+def _nll(p_target, h, w, target):
+    """-log p[target], exactly (from the logit and log-sum-exp) where the fp32 softmax underflowed."""
+    nll = -torch.log(p_target)
+    tiny = (p_target < 1e-30).squeeze(1)
+    if bool(tiny.any()):
+        logits = (h[tiny] @ w.T).to(p_target.dtype)
+        nll[tiny] = torch.logsumexp(logits, -1, keepdim=True) - logits.gather(1, target[tiny])
+    return nll
+
+
+def lm_head_loss(hidden, weight, labels):
+    """F.cross_entropy(hidden @ weight.T, labels, ignore_index=-100) without the logits: hidden
+    (N, d), weight (V, d), labels (N,). Under autocast the matmuls take its dtype."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LMHeadLoss.apply(hidden, weight, labels, dtype, need_grad)

@@ -11,7 +11,10 @@ val_loss).
   writes metrics, checkpoints and the exported model.
 - A run killed at any moment resumes from its last checkpoint, which holds the metrics rows so
   far and the configuration it was trained with; on CPU the resumed run ends bitwise equal to an
-  uninterrupted one.
+  uninterrupted one, in float32 and in bfloat16.
+- ``precision``: "bf16" autocasts the matmuls to bfloat16 (weights, gradients and AdamW state
+  stay float32; the loss is float32); "auto" (the default) takes bf16 where the device runs it
+  natively (``bf16_supported``: CUDA with bf16, a CPU with AMX-BF16 or AVX512-BF16), else fp32.
 
 Command line (what torchrun launches): ``python -m dimattn.training --spec spec.json ...``.
 """
@@ -19,6 +22,7 @@ Command line (what torchrun launches): ``python -m dimattn.training --spec spec.
 import argparse
 import contextlib
 import csv
+import ctypes
 import io
 import json
 import math
@@ -40,7 +44,9 @@ from .modeling_dimattn import DimAttnForCausalLM
 from .settings import from_mapping
 
 METRICS_COLUMNS = ["step", "tokens", "lr", "train_loss", "val_loss"]
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")
+# /proc/cpuinfo flags of x86 CPUs whose bfloat16 matmuls run natively (oneDNN's fast path).
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 CHECKPOINT_FORMAT = 2
 # Keys that change how a step is computed, not what it computes: a resumed run may change them
 # (e.g. a retry on another number of GPUs needs another micro-batch).
@@ -71,7 +77,7 @@ class TrainConfig:
     eval_batches: int = 4  # global batches of fixed validation windows per evaluation
     checkpoint_interval: int = 50
     seed: int = 0
-    precision: str = "fp32"  # "bf16": autocast matmuls to bfloat16 (meant for CUDA); the loss stays fp32
+    precision: str = "auto"  # "bf16": autocast matmuls to bfloat16, loss fp32; "auto": bf16 where native
     compile: bool = False  # torch.compile the model; CUDA only, ignored on CPU
 
     def __post_init__(self):
@@ -170,14 +176,63 @@ def build_model(model_spec: dict, tokenizer, seq_len: int) -> DimAttnForCausalLM
 
 
 def configure_optimizer(model, cfg: TrainConfig):
-    """AdamW with weight decay on matrices only (not biases, norms)."""
+    """AdamW with weight decay on matrices only (not biases, norms); the fused kernel on CPU and
+    CUDA (one pass over each parameter instead of a dozen: 5x faster on CPU)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters()) or None
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (x86 Linux); empty elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def bf16_supported(device) -> bool:
+    """Whether bfloat16 matmuls run natively on device, so that "auto" precision takes bf16:
+    a CUDA GPU with bf16 (not emulated), or a CPU with AMX-BF16 or AVX512-BF16 (checked at run
+    time; torch.backends.cpu.get_cpu_capability() stops at "AVX512" and cannot tell)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        return bool(set(BF16_CPU_FLAGS) & _cpu_flags())
+    return False
+
+
+def resolve_precision(precision: str, device) -> str:
+    """"fp32" or "bf16": what ``precision`` means on ``device``."""
+    if precision == "auto":
+        return "bf16" if bf16_supported(device) else "fp32"
+    return precision
+
+
+def keep_freed_memory() -> None:
+    """Keep freed memory in the process (glibc): by default blocks are returned to the kernel
+    and every step of a CPU run faults the same pages in again (~10% of a step's time).
+    Allocations up to 32 MiB (glibc's largest mmap threshold) come from the heap, which is no
+    longer trimmed; memory stays at the run's peak."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 32 << 20)
+    mallopt(m_trim_threshold, 1 << 30)
 
 
 @dataclass(frozen=True)
@@ -230,6 +285,8 @@ def _start_processes(device: str) -> tuple[Processes, str]:
 
 
 def _autocast(device: str, precision: str):
+    """bf16 autocast for "bf16" (or "auto" resolving to it), nothing for "fp32"."""
+    precision = resolve_precision(precision, device)
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
@@ -250,7 +307,7 @@ def evaluate_loss(
         x = x.to(device)
         x, labels = (x[:, 0], x[:, 1]) if x.dim() == 3 else (x, x)  # (tokens, targets) pairs
         with _autocast(device, precision):
-            total += model(x, labels=labels).loss.double()
+            total += model(x, labels=labels, return_logits=False).loss.double()
     model.train()
     return procs.mean(total / len(mine)).item()
 
@@ -269,9 +326,12 @@ def _load_checkpoint(path: Path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _identity(model_spec: dict, train_cfg: TrainConfig, vocab_size: int) -> dict:
-    """What a checkpoint must have been trained with for this run to resume from it."""
+def _identity(model_spec: dict, train_cfg: TrainConfig, vocab_size: int, precision: str) -> dict:
+    """What a checkpoint must have been trained with for this run to resume from it. The
+    precision is the resolved one: "auto" resumes an fp32 checkpoint where it means fp32, and
+    refuses to continue a bf16 run in fp32 on a device without bf16."""
     training = {k: v for k, v in asdict(train_cfg).items() if k not in RESUMABLE_KEYS}
+    training["precision"] = precision
     return {"model": dict(model_spec), "training": training, "tokenizer": {"vocab_size": vocab_size}}
 
 
@@ -372,6 +432,11 @@ def _train(
 ) -> None:
     run = out_dir.name
     micro, accum = cfg.micro_batches(procs.world_size)
+    precision = resolve_precision(cfg.precision, device)
+    if cfg.precision == "auto" and procs.main:
+        print(f"{run}: training.precision auto -> {precision} on {device}", file=sys.stderr)
+    if torch.device(device).type == "cpu":
+        keep_freed_memory()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     train_tokens, train_example_len, train_mask = _load_split(train_bin, "train", cfg.seq_len)
     val_tokens, val_example_len, val_mask = _load_split(val_bin, "validation", cfg.seq_len)
@@ -383,7 +448,7 @@ def _train(
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
     model = build_model(model_spec, tokenizer, cfg.seq_len).to(device)
     optimizer = configure_optimizer(model, cfg)
-    identity = _identity(model_spec, cfg, len(tokenizer))
+    identity = _identity(model_spec, cfg, len(tokenizer), precision)
 
     ckpt_path = checkpoint_dir / "checkpoint.pt"
     metrics_path = checkpoint_dir / "metrics.csv"
@@ -430,8 +495,8 @@ def _train(
             last = m == accum - 1
             sync = forward.no_sync() if procs.distributed and not last else contextlib.nullcontext()
             with sync:
-                with _autocast(device, cfg.precision):
-                    loss = forward(x, labels=labels_for(x, mask)).loss / accum
+                with _autocast(device, precision):
+                    loss = forward(x, labels=labels_for(x, mask), return_logits=False).loss / accum
                 loss.backward()
             loss_sum += loss.detach()
         train_loss = procs.mean(loss_sum).item()
@@ -446,7 +511,7 @@ def _train(
         val_loss = ""
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
             # Not through DDP: its forward would expect the matching backward.
-            val_loss = evaluate_loss(compiled, val_batches, micro, device, cfg.precision, procs)
+            val_loss = evaluate_loss(compiled, val_batches, micro, device, precision, procs)
         row = [step, step * cfg.tokens_per_step, lr, train_loss, val_loss]
         rows.append(row)
         if procs.main:
@@ -467,11 +532,11 @@ def _train(
             _atomic_torch_save(state, ckpt_path)
     bar.close()
     if procs.main:
-        _export(model, tokenizer, cfg, rows, out_dir)
+        _export(model, tokenizer, cfg, rows, out_dir, precision)
     procs.barrier()  # no process leaves (and tears the group down) before the export is whole
 
 
-def _export(model, tokenizer, train_cfg: TrainConfig, rows: list, out_dir: Path) -> None:
+def _export(model, tokenizer, train_cfg: TrainConfig, rows: list, out_dir: Path, precision: str) -> None:
     """save_pretrained into a temp sibling, then rename: the run directory appears whole or not at all."""
     model.config.register_for_auto_class()
     model.register_for_auto_class("AutoModelForCausalLM")
@@ -479,7 +544,7 @@ def _export(model, tokenizer, train_cfg: TrainConfig, rows: list, out_dir: Path)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         _write_metrics(tmp / "metrics.csv", rows)
-        (tmp / "training.json").write_text(json.dumps(asdict(train_cfg), indent=2))
+        (tmp / "training.json").write_text(json.dumps({**asdict(train_cfg), "resolved_precision": precision}, indent=2))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Every attention pattern against a naive per-query loop written from the papers' definitions:
 DAR (seed 000, Eq. 3-4), sliding-window and dilated attention (seed 001); each kernel
-(dense, blocked with its hand-written backward, flex forward) against those loops."""
+(dense, blocked: the joint kernel and the LSE-merged paths with their hand-written backwards,
+flex forward) against those loops, and the bfloat16 paths against float64."""
 
 import math
 
@@ -179,15 +180,22 @@ PATTERNS = {
 }
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["flash-paths", "math-paths"])
+def use_blocked(monkeypatch, impl):
+    """"joint": the CPU kernel; "flash-paths" / "math-paths": the LSE-merged paths, which serve
+    beyond the joint kernel's memory budget, with PyTorch's fused CPU kernel or pure PyTorch."""
+    if impl != "joint":
+        monkeypatch.setattr(attention, "JOINT_MAX_BYTES", -1)
+    if impl == "math-paths":
+        monkeypatch.setattr(attention, "_fused_cpu", lambda x: False)
+
+
+@pytest.mark.parametrize("impl", ["joint", "flash-paths", "math-paths"])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("T,window", [(1, 1), (9, 1), (9, 4), (40, 16), (70, 20), (70, 100), (90, 0)])
-def test_blocked_kernel_forward_and_backward_match_naive(pattern, T, window, fused, monkeypatch):
-    """The LSE-merged paths and their hand-written backward against autograd through the loop.
-    T = 40, 70 with window 16, 20 span several blocks and a padded last block. "math-paths"
-    takes the pure-PyTorch path kernels that serve where the fused CPU kernel does not."""
-    if not fused:
-        monkeypatch.setattr(attention, "_fused_cpu", lambda x: False)
+def test_blocked_kernel_forward_and_backward_match_naive(pattern, T, window, impl, monkeypatch):
+    """The blocked kernels and their hand-written backwards against autograd through the loop.
+    T = 40, 70 with window 16, 20 span several blocks and a padded last block."""
+    use_blocked(monkeypatch, impl)
     fn, naive, minimum = PATTERNS[pattern]
     if window < minimum:
         pytest.skip("window below the pattern's minimum")
@@ -205,9 +213,81 @@ def test_blocked_kernel_forward_and_backward_match_naive(pattern, T, window, fus
             torch.testing.assert_close(g, w)
 
 
+JOINT_PATTERNS = {
+    "causal": lambda ts, w, kernel: causal_attention(*ts[:3], kernel=kernel),
+    "dar": lambda ts, w, kernel: dar_attention(*ts, w, kernel=kernel),
+    "swa": lambda ts, w, kernel: sliding_window_attention(*ts[:3], w, kernel=kernel),
+    "dilated": lambda ts, w, kernel: dilated_attention(*ts[:3], w, 3, kernel=kernel),
+}
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 64])
+@pytest.mark.parametrize("pattern", JOINT_PATTERNS)
+@pytest.mark.parametrize("T,window", [(5, 1), (33, 4), (100, 17), (130, 64)])
+def test_joint_kernel_block_geometry(pattern, T, window, rows, monkeypatch):
+    """Blocks of any height, widths padded with masked keys to JOINT_ALIGN, first and last
+    blocks cut short: the same output and gradients as the dense reference."""
+    monkeypatch.setattr(attention, "JOINT_ROWS", rows)
+    fn = JOINT_PATTERNS[pattern]
+    ts = [t.requires_grad_(True) for t in random_qkv(B=1, H=2, T=T, D=4, seed=T)]
+    out, ref = fn(ts, window, "blocked"), fn(ts, window, "dense")
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, ts, grad, allow_unused=True)
+    want = torch.autograd.grad(ref, ts, grad, allow_unused=True)
+    for g, w in zip(got, want):
+        if w is not None:
+            torch.testing.assert_close(g, w)
+    with torch.no_grad():  # no probabilities kept: the same forward
+        torch.testing.assert_close(fn(ts, window, "blocked"), out)
+
+
+def test_joint_kernel_serves_cpu_within_its_memory_budget(monkeypatch):
+    q, kn, vn, kf, vf = [t.requires_grad_(True) for t in random_qkv(T=40)]
+    calls = []
+    monkeypatch.setattr(attention._JointAttention, "apply", lambda *a: calls.append("joint") or q * 0)
+    monkeypatch.setattr(attention._MergedAttention, "apply", lambda *a: calls.append("merged") or q * 0)
+    dar_attention(q, kn, vn, kf, vf, 8, kernel="blocked")
+    monkeypatch.setattr(attention, "JOINT_MAX_BYTES", 2 * 3 * 40 * 40 * 8 // 2)  # about half of what it keeps
+    dar_attention(q, kn, vn, kf, vf, 8, kernel="blocked")
+    with torch.no_grad():  # nothing kept for a backward: no budget
+        dar_attention(q, kn, vn, kf, vf, 8, kernel="blocked")
+    assert calls == ["joint", "merged", "joint"]
+
+
+def bf16_case(fn, T, window, seed=0):
+    """(max error of fn in bfloat16, max error of the dense float64 reference rounded through
+    bfloat16 once), over the output and every gradient, each relative to the reference's scale."""
+    ts64 = [t.to(torch.bfloat16).double().requires_grad_(True) for t in random_qkv(B=2, H=2, T=T, D=16, seed=seed)]
+    ts16 = [t.detach().to(torch.bfloat16).requires_grad_(True) for t in ts64]
+    ref = fn(ts64, window, "dense")
+    out = fn(ts16, window, "blocked")
+    grad = torch.randn_like(ref).to(torch.bfloat16)
+    want = torch.autograd.grad(ref, ts64, grad.double(), allow_unused=True)
+    got = torch.autograd.grad(out, ts16, grad, allow_unused=True)
+    errors = [(out.double() - ref).abs().max() / ref.abs().max()]
+    rounding = [(ref.bfloat16().double() - ref).abs().max() / ref.abs().max()]
+    for g, w in zip(got, want):
+        if w is not None:
+            errors.append((g.double() - w).abs().max() / w.abs().max())
+            rounding.append((w.bfloat16().double() - w).abs().max() / w.abs().max())
+    return max(errors).item(), max(rounding).item()
+
+
+@pytest.mark.parametrize("impl", ["joint", "flash-paths"])
+@pytest.mark.parametrize("pattern", JOINT_PATTERNS)
+def test_blocked_kernels_in_bfloat16_stay_within_bf16_rounding(pattern, impl, monkeypatch):
+    """bfloat16 in and out (the model's autocast), float32 softmax inside: every output and
+    gradient within a few bf16 roundings (2^-8 relative each) of the float64 result."""
+    use_blocked(monkeypatch, impl)
+    error, rounding = bf16_case(JOINT_PATTERNS[pattern], T=150, window=24)
+    assert rounding < 2**-8
+    assert error < 8 * 2**-8, error
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blocked_kernel_in_fused_cpu_dtypes(dtype):
-    """float32 and bf16 take PyTorch's fused CPU flash kernel for the far path."""
+    """float32 and bf16 against the dense kernel in the same dtype."""
     ts = [t.to(dtype).requires_grad_(True) for t in random_qkv(T=150, D=8)]
     out = dar_attention(*ts, 16, kernel="blocked")
     ref = dar_attention(*ts, 16, kernel="dense")

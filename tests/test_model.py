@@ -1,4 +1,5 @@
-"""The transformers model: save/load in a fresh process, generation, Pythia parameter counts."""
+"""The transformers model: save/load in a fresh process, generation, Pythia parameter counts, the
+training loss computed without logits, the fused rotary embedding."""
 
 import json
 import subprocess
@@ -6,9 +7,18 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dimattn import DimAttnConfig, DimAttnForCausalLM
-from dimattn.modeling_dimattn import DimAttnCache, kv_cache_nbytes
+from dimattn import modeling_dimattn as modeling
+from dimattn.modeling_dimattn import (
+    DimAttnCache,
+    Rope,
+    RotaryEmbedding,
+    apply_rotary,
+    kv_cache_nbytes,
+    lm_head_loss,
+)
 
 
 def tiny(attention="dar", window=3, d_down=8, **kw):
@@ -206,3 +216,99 @@ def test_vanilla_parameter_count_matches_pythia(layers, d, heads, expected):
 def test_bad_config_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DimAttnConfig(hidden_size=512, **kwargs)
+
+
+# --- the training loss without logits, the fused rotary ------------------------------------------
+
+
+@pytest.mark.parametrize("chunk,group", [(1 << 20, 512), (64, 128), (50, 3)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lm_head_loss_equals_cross_entropy(monkeypatch, chunk, group, dtype):
+    """Chunks of rows (here 64 / 50 logits: a row or a few), gradient groups of several chunks,
+    ignored rows (-100), a last chunk cut short: loss and gradients as F.cross_entropy's."""
+    monkeypatch.setattr(modeling, "LOSS_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(modeling, "LOSS_GRAD_ROWS", group)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, dtype=dtype).requires_grad_(True)
+    w = torch.randn(23, 16, generator=g, dtype=dtype).requires_grad_(True)
+    labels = torch.randint(0, 23, (37,), generator=g)
+    labels[::4] = -100
+    loss = lm_head_loss(h, w, labels)
+    ref = F.cross_entropy(h @ w.T, labels, ignore_index=-100)
+    torch.testing.assert_close(loss, ref)
+    got, want = torch.autograd.grad(loss * 0.3, (h, w)), torch.autograd.grad(ref * 0.3, (h, w))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_lm_head_loss_is_exact_where_the_softmax_underflows():
+    h = torch.zeros(3, 4)
+    h[1, 0] = 100.0  # row 1: its label's probability is exp(-300), 0 in float32
+    w, labels = torch.eye(4) * 3, torch.tensor([1, 1, 2])
+    h.requires_grad_(True)
+    loss = lm_head_loss(h, w, labels)
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, F.cross_entropy(h @ w.T, labels))
+
+
+def test_lm_head_loss_under_bf16_autocast():
+    """Matmuls in bfloat16, softmax and loss in float32: within bf16 rounding of fp32 autocast's."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(300, 64, generator=g).requires_grad_(True)
+    w = (torch.randn(1000, 64, generator=g) * 0.1).requires_grad_(True)
+    labels = torch.randint(0, 1000, (300,), generator=g)
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = lm_head_loss(h, w, labels)
+        ref = F.cross_entropy((h @ w.T).float(), labels)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, atol=1e-3, rtol=1e-3)
+    for a, b in zip(torch.autograd.grad(loss, (h, w)), torch.autograd.grad(ref, (h, w))):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["vanilla", "dar", "swa"])
+def test_training_loss_skips_the_logits_and_matches_them(layout):
+    """With labels and return_logits=False on CPU the loss comes from lm_head_loss (logits None),
+    in training and in evaluation; its loss and gradients are those of F.cross_entropy over the
+    logits. Without return_logits=False a caller gets logits and the same loss."""
+    model = tiny(**LAYOUTS[layout]).train()
+    x = torch.randint(0, 97, (2, 20))
+    labels = x.clone()
+    labels[0, :5] = -100
+    out = model(x, labels=labels, return_logits=False)
+    assert out.logits is None
+    out.loss.backward()
+    fused = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    logits = model(x).logits
+    ref = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    torch.testing.assert_close(out.loss, ref)
+    ref.backward()
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(fused[n], p.grad, atol=1e-6, rtol=1e-4, msg=n)
+    with torch.no_grad():  # evaluation: the loss alone, no gradient work
+        evaluated = model.eval()(x, labels=labels, return_logits=False)
+        usual = model(x, labels=labels)
+    assert evaluated.logits is None and evaluated.loss.grad_fn is None
+    torch.testing.assert_close(evaluated.loss, ref)
+    torch.testing.assert_close(usual.loss, ref)
+    torch.testing.assert_close(usual.logits, logits)
+    torch.testing.assert_close(model(x).logits, logits)  # without labels, the logits
+
+
+@pytest.mark.parametrize("rotary_pct", [0.0, 0.25, 1.0])
+def test_rope_tables_rotate_q_and_k_like_apply_rotary(rotary_pct):
+    """Rope rotates the fused (B, T, H, 3, hs) projection: q and k as apply_rotary, v untouched."""
+    config = DimAttnConfig(hidden_size=32, num_attention_heads=2, rotary_pct=rotary_pct)
+    rotary = RotaryEmbedding(config)
+    positions = torch.arange(3, 12).expand(2, 9)
+    cos, sin = rotary(positions)
+    x = torch.randn(2, 9, 2, 3, 16)
+    got = Rope(cos, sin, 16)(x)
+    for row in (0, 1):
+        want = apply_rotary(x[..., row, :].transpose(1, 2), cos, sin).transpose(1, 2)
+        torch.testing.assert_close(got[..., row, :], want)
+    torch.testing.assert_close(got[..., 2, :], x[..., 2, :])
+    torch.testing.assert_close(Rope(cos, sin, 16)(x[..., 1:, :], rows=slice(1, 3)), got[..., 1:, :])

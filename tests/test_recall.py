@@ -114,7 +114,7 @@ class Oracle(torch.nn.Module):
         self.vocab, self.wrong_at = vocab, wrong_at
         self.dummy = torch.nn.Parameter(torch.zeros(()))
 
-    def forward(self, x, labels=None):
+    def forward(self, x, labels=None, **kwargs):  # kwargs: return_logits, as transformers models take
         nxt = torch.roll(x, -1, dims=1)
         if self.wrong_at is not None:
             nxt[:, self.wrong_at] = 0

@@ -1,6 +1,6 @@
 """The pretraining loop on a tiny DAR model and a tokenizer trained here: the schedule, gradient
-accumulation and DDP equal to one big batch, bitwise resume after kill -9, stale checkpoints,
-NaN stops, and windows aligned to fixed-length examples."""
+accumulation and DDP equal to one big batch, bitwise resume after kill -9 (float32 and bfloat16),
+stale checkpoints, NaN stops, "auto" precision, and windows aligned to fixed-length examples."""
 
 import json
 import os
@@ -18,15 +18,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dimattn import data
+from dimattn import data, training
 from dimattn.training import (
     TrainConfig,
     TrainingError,
     batch_starts,
+    bf16_supported,
     fixed_windows,
     launch_command,
     lr_at,
     pretrain,
+    resolve_precision,
     windows,
 )
 
@@ -35,8 +37,9 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "attention": "dar", "window": 4,
          "d_down": 8}
+# float32: the layouts compared below (micro-batches, DDP) must agree to rounding, which bfloat16 would blur.
 CFG = TrainConfig(seq_len=16, batch_size=8, max_steps=6, lr=3e-3, warmup_frac=0.2, eval_interval=3,
-                  eval_batches=1, checkpoint_interval=3)
+                  eval_batches=1, checkpoint_interval=3, precision="fp32")
 WORDS = "the king queen sword crown night day love death fool heart blood ghost storm sea ship lord".split()
 
 
@@ -164,8 +167,9 @@ def test_launch_command_for_one_node_and_for_several():
         launch_command(args, nproc=4, nodes=2)
 
 
-def test_kill_9_then_resume_is_bitwise_equal_to_an_uninterrupted_run(corpus, tmp_path):
-    cfg = replace(CFG, batch_size=16, max_steps=40, checkpoint_interval=5, eval_interval=4)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_kill_9_then_resume_is_bitwise_equal_to_an_uninterrupted_run(corpus, tmp_path, precision):
+    cfg = replace(CFG, batch_size=16, max_steps=40, checkpoint_interval=5, eval_interval=4, precision=precision)
     uninterrupted = train(corpus, tmp_path / "whole", cfg)
 
     work = tmp_path / "killed"
@@ -201,6 +205,7 @@ def test_kill_9_then_resume_is_bitwise_equal_to_an_uninterrupted_run(corpus, tmp
     assert (work / "models/run/metrics.csv").read_text() == (uninterrupted / "metrics.csv").read_text()
     assert metrics.read_text() == (uninterrupted / "metrics.csv").read_text()
     assert sorted(p.name for p in ckpt.parent.iterdir()) == ["checkpoint.pt", "metrics.csv"]
+    assert torch.load(ckpt, weights_only=True)["identity"]["training"]["precision"] == precision
 
 
 def test_checkpoint_from_another_config_is_refused(corpus, tmp_path):
@@ -223,17 +228,77 @@ def test_nan_loss_stops_the_run_and_leaves_no_model(corpus, tmp_path):
     assert not models.exists() or list(models.iterdir()) == []  # neither the run nor a temp sibling
 
 
-def test_cpu_accepts_bf16_and_ignores_compile(corpus, tmp_path, capfd):
-    # Vanilla: the blocked CPU DAR kernel's backward does not take bf16 (dimattn.attention).
-    vanilla = {k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")}
+def test_cpu_trains_dar_in_bf16_and_ignores_compile(corpus, tmp_path, capfd):
     cfg = replace(CFG, max_steps=2)
-    out = train(corpus, tmp_path, replace(cfg, precision="bf16", compile=True), model=vanilla)
+    out = train(corpus, tmp_path, replace(cfg, precision="bf16", compile=True))
     assert "compile ignored on cpu" in capfd.readouterr().err
-    fp32_out = train(corpus, tmp_path, cfg, model=vanilla, run="fp32")
+    fp32_out = train(corpus, tmp_path, cfg, run="fp32")
     bf16, fp32 = pd.read_csv(out / "metrics.csv"), pd.read_csv(fp32_out / "metrics.csv")
     assert not np.array_equal(bf16["train_loss"], fp32["train_loss"])  # autocast did take effect
     np.testing.assert_allclose(bf16["train_loss"], fp32["train_loss"][:2], rtol=2e-2)
-    assert weights(out)["embed_out.weight"].dtype == torch.float32  # autocast, not a cast model
+    w_bf16, w_fp32 = weights(out), weights(fp32_out)
+    assert w_bf16["embed_out.weight"].dtype == torch.float32  # autocast, not a cast model
+    for name in w_fp32:  # two AdamW steps of at most 2 lr = 6e-3 from the same start: the same
+        # updates but where a gradient is at rounding level (AdamW makes a full step of its sign;
+        # the key bias, which softmax ignores, has nothing else)
+        assert (w_fp32[name] - w_bf16[name]).abs().mean() < 2e-3, name
+    assert json.loads((out / "training.json").read_text())["resolved_precision"] == "bf16"
+
+
+@pytest.mark.parametrize("flags,native", [
+    ({"fpu", "avx512f", "avx512_bf16"}, True),  # Zen 4, Cooper Lake
+    ({"fpu", "avx512f", "amx_bf16", "amx_tile"}, True),  # Sapphire Rapids
+    ({"fpu", "avx2", "avx512f"}, False),
+    (set(), False),  # no /proc/cpuinfo (macOS) or no flags line (ARM)
+])
+def test_auto_precision_takes_bf16_where_the_cpu_has_it(monkeypatch, flags, native):
+    monkeypatch.setattr(training, "_cpu_flags", lambda: flags)
+    assert bf16_supported("cpu") is native
+    assert resolve_precision("auto", "cpu") == ("bf16" if native else "fp32")
+    assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if native else "fp32")
+    assert resolve_precision("fp32", "cpu") == "fp32" and resolve_precision("bf16", "cpu") == "bf16"
+    assert TrainConfig().precision == "auto"
+
+
+def test_auto_precision_on_cuda_and_other_devices(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not bf16_supported("cuda") and resolve_precision("auto", "cuda") == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: not including_emulation)
+    assert bf16_supported("cuda:0") and resolve_precision("auto", "cuda") == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    assert not bf16_supported("cuda")  # emulated bf16 (pre-Ampere) is no faster: fp32
+    assert not bf16_supported("meta")
+
+
+def test_cpu_flags_parse_proc_cpuinfo():
+    flags = training._cpu_flags()
+    assert isinstance(flags, set)
+    if Path("/proc/cpuinfo").exists() and "flags" in Path("/proc/cpuinfo").read_text():
+        assert "fpu" in flags
+
+
+def test_auto_precision_run_records_what_it_resolved_to(corpus, tmp_path, monkeypatch, capfd):
+    """The checkpoint's identity holds the resolved precision: "auto" continues an fp32 run
+    where it means fp32, and refuses to continue it where it means bf16."""
+    monkeypatch.setattr(training, "_cpu_flags", lambda: set())
+    train(corpus, tmp_path, replace(CFG, max_steps=2))  # a finished fp32 run and its checkpoint
+    out = train(corpus, tmp_path, replace(CFG, max_steps=2, precision="auto"))
+    assert "precision auto -> fp32" in capfd.readouterr().err
+    assert json.loads((out / "training.json").read_text())["resolved_precision"] == "fp32"
+    assert json.loads((out / "training.json").read_text())["precision"] == "auto"
+    monkeypatch.setattr(training, "_cpu_flags", lambda: {"avx512_bf16"})
+    with pytest.raises(TrainingError, match=r"training\.precision: 'fp32' -> 'bf16'"):
+        train(corpus, tmp_path, replace(CFG, max_steps=2, precision="auto"))
+
+
+def test_optimizer_is_fused_adamw_with_decay_on_matrices_only():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = training.configure_optimizer(model, CFG)
+    assert opt.defaults["fused"] and isinstance(opt, torch.optim.AdamW)
+    decay, no_decay = opt.param_groups
+    assert [p.dim() for p in decay["params"]] == [2] and decay["weight_decay"] == CFG.weight_decay
+    assert all(p.dim() == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
 
 
 def write_examples(path: Path, examples: np.ndarray) -> None:
@@ -266,3 +331,39 @@ def test_windows_are_whole_examples_when_the_corpus_has_example_len(corpus, tmp_
     with pytest.raises(TrainingError, match=r"example_len.*seq_len must be 16, got 32"):
         pretrain(MODEL, replace(cfg, seq_len=32), aligned["train"], aligned["validation"], corpus / "tokenizer",
                  tmp_path / "models/other", tmp_path / "checkpoints/other")
+
+
+def test_benchmark_sums_snakemake_benchmark_files_per_rule(tmp_path, capsys):
+    """benchmarks/training.py --dag-times: the rule from the folder or the file name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_training", REPO / "benchmarks" / "training.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    files = {
+        "pretrain/tiny_vanilla.tsv": [12.5, 0.5], "pretrain/tiny_dar_w32_d32.tsv": [30.0],
+        "data/download_shakespeare.tsv": [5.0], "data/documents_shakespeare.tsv": [1.0],
+        "data/tokenizer.tsv": [2.0], "data/tokenize_shakespeare_train.tsv": [1.5],
+        "data/tokenize_recall_test.tsv": [0.5], "data/generate_recall.tsv": [0.25],
+        "dimpo/capture_tiny_vanilla_fit.tsv": [3.0], "dimpo/fit_tiny_vanilla_pca_d8.tsv": [4.0],
+        "dimpo/fidelity_tiny_vanilla_pca_d8.tsv": [6.0], "evaluate/perplexity_tiny_dar_shakespeare.tsv": [7.0],
+        "evaluate/recall_recall_dar_recall.tsv": [8.0], "evaluate/lm_eval_tiny_vanilla.tsv": [9.0],
+        "evaluate/write_lm_eval_data.tsv": [0.75], "report/summarize_perplexity.tsv": [0.125],
+        "report/render_dar.tsv": [0.5], "write_lm_eval_tasks.tsv": [1.0],
+    }
+    for name, seconds in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("s\th:m:s\tmax_rss\n" + "".join(f"{s}\t0:00:00\t1.0\n" for s in seconds))
+    bench.main(["--dag-times", str(tmp_path)])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    per_rule = {r["rule"]: r["wall_s"] for r in lines if r["name"] == "dag_rule_seconds"}
+    assert per_rule == {
+        "pretrain": 43.0, "download_sdist": 5.0, "prepare_documents": 1.0, "train_tokenizer": 2.0, "tokenize": 2.0,
+        "generate_recall": 0.25, "capture_qkv": 3.0, "fit_projection": 4.0, "attention_fidelity": 6.0,
+        "perplexity": 7.0, "recall": 8.0, "lm_eval": 9.0, "write_lm_eval_data": 0.75,
+        "summarize_perplexity": 0.125, "render_dar": 0.5, "write_lm_eval_tasks": 1.0,
+    }
+    assert list(per_rule)[:2] == ["pretrain", "lm_eval"]  # largest first
+    total = lines[-1]
+    assert total["name"] == "dag_total_seconds" and total["wall_s"] == sum(per_rule.values()) and total["jobs"] == 18
