@@ -113,12 +113,10 @@ class Plan:
         return self.config["evaluation"]["perplexity"]["datasets"]
 
     def perplexity_targets(self, run: str) -> list[str]:
-        """Text runs: evaluation.perplexity.datasets (they share one tokenizer), or their own
-        corpus when that list is empty. Synthetic runs have no perplexity: only their answers
-        are trained on, so the recall probe scores them."""
-        if self.runs[run].synthetic:
-            return []
-        return self.perplexity_datasets or [self.runs[run].dataset]
+        """Text runs: evaluation.perplexity.datasets (text corpora share one tokenizer).
+        Synthetic runs have no perplexity: only their answers are trained on, so the recall
+        probe scores them."""
+        return [] if self.runs[run].synthetic else list(self.perplexity_datasets)
 
     # --- DimPO
     @property

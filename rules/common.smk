@@ -101,6 +101,22 @@ def dimpo_model_source(wildcards):
 # --- raw outputs, by what reads them -----------------------------------------------------------
 
 
+def score_params(wildcards):
+    """Perplexity settings of a text run: its training length, evaluation.perplexity."""
+    run = RUNS[wildcards.run]
+    return {
+        "corpora": PLAN.perplexity_datasets,
+        "seq_len": run.training["seq_len"],
+        "batch_size": PLAN.config["evaluation"]["perplexity"]["batch_size"],
+        "max_tokens": PLAN.config["evaluation"]["perplexity"]["max_tokens"],
+    }
+
+
+def lm_eval_params():
+    lm = PLAN.lm_eval
+    return {k: lm[k] for k in ("tasks", "batch_size", "limit")}
+
+
 def model_dirs():
     return [paths.model(run) for run in RUNS]
 

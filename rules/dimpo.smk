@@ -1,5 +1,5 @@
 # DimPO (seed 003): capture post-RoPE queries/keys of a frozen model on held-out text, fit one
-# shared query/key projection per layer and objective and d', score attention fidelity.
+# shared query/key projection per layer and objective and d', and score its attention fidelity.
 
 
 rule capture_qkv:
@@ -31,11 +31,15 @@ rule capture_qkv:
         "../workflow_scripts/capture_qkv.py"
 
 
+# One job fits a projection (on the fit capture) and scores its attention fidelity (on the
+# eval capture): two process starts become one.
 rule fit_projection:
     input:
-        paths.capture("{model}", "fit"),
+        fit=paths.capture("{model}", "fit"),
+        eval=paths.capture("{model}", "eval"),
     output:
-        paths.projection("{model}", "{objective}", "{d_prime}"),
+        projections=paths.projection("{model}", "{objective}", "{d_prime}"),
+        fidelity=paths.fidelity("{model}", "{objective}", "{d_prime}"),
     log:
         paths.log("dimpo", "fit_{model}_{objective}_d{d_prime}"),
     benchmark:
@@ -54,26 +58,3 @@ rule fit_projection:
         device=PLAN.config["device"],
     script:
         "../workflow_scripts/fit_projection.py"
-
-
-rule attention_fidelity:
-    input:
-        capture=paths.capture("{model}", "eval"),
-        projections=paths.projection("{model}", "{objective}", "{d_prime}"),
-    output:
-        paths.fidelity("{model}", "{objective}", "{d_prime}"),
-    log:
-        paths.log("dimpo", "fidelity_{model}_{objective}_d{d_prime}"),
-    benchmark:
-        paths.bench("dimpo", "fidelity_{model}_{objective}_d{d_prime}")
-    wildcard_constraints:
-        d_prime=r"\d+",
-    conda:
-        "../envs/torch.yaml"
-    threads: 1
-    resources:
-        runtime=dimpo_resource("runtime"),
-        mem_mb=dimpo_resource("mem_mb"),
-        gpu=gpu_count(),
-    script:
-        "../workflow_scripts/attention_fidelity.py"

@@ -1,16 +1,52 @@
-# Evaluation: held-out perplexity, and lm-eval's stock `hf` model on the workflow's own tasks.
+# Evaluation: held-out perplexity and lm-eval's stock `hf` model (text runs), the recall probe
+# (runs trained on the synthetic recall corpus).
 
 
+# One job scores a text run: perplexity on every evaluation.perplexity.datasets corpus, and
+# lm-eval on our tasks when the run is one lm-eval scores (importing torch, transformers and
+# lm-eval is most of a small job's time; see README, "Speed").
+rule score_text:
+    input:
+        model=paths.model("{run}"),
+        tokens=[paths.tokens(d, "test") for d in PLAN.perplexity_datasets],
+        lm_eval_data=lm_eval_data_files(),
+    output:
+        perplexity=[paths.perplexity("{run}", d) for d in PLAN.perplexity_datasets],
+        lm_eval=paths.lm_eval("{run}"),
+    log:
+        paths.log("evaluate", "score_{run}"),
+    benchmark:
+        paths.bench("evaluate", "score_{run}")
+    wildcard_constraints:
+        run=one_of(PLAN.lm_eval_runs),
+    conda:
+        "../envs/lm_eval.yaml"
+    threads: 1
+    resources:
+        runtime=60,
+        mem_mb=lambda wc, attempt: 8000 * attempt,
+        gpu=gpu_count(),
+    params:
+        perplexity=score_params,
+        lm_eval=lm_eval_params(),
+        device=PLAN.config["device"],
+    script:
+        "../workflow_scripts/score_text.py"
+
+
+# Text runs that lm-eval does not score (evaluation.lm_eval.scales): perplexity alone.
 rule perplexity:
     input:
         model=paths.model("{run}"),
-        tokens=paths.tokens("{dataset}", "test"),
+        tokens=[paths.tokens(d, "test") for d in PLAN.perplexity_datasets],
     output:
-        paths.perplexity("{run}", "{dataset}"),
+        perplexity=[paths.perplexity("{run}", d) for d in PLAN.perplexity_datasets],
     log:
-        paths.log("evaluate", "perplexity_{run}_{dataset}"),
+        paths.log("evaluate", "perplexity_{run}"),
     benchmark:
-        paths.bench("evaluate", "perplexity_{run}_{dataset}")
+        paths.bench("evaluate", "perplexity_{run}")
+    wildcard_constraints:
+        run=one_of([r for r in PLAN.text_runs if r not in PLAN.lm_eval_runs]),
     conda:
         "../envs/torch.yaml"
     threads: 1
@@ -19,12 +55,11 @@ rule perplexity:
         mem_mb=lambda wc, attempt: 4000 * attempt,
         gpu=gpu_count(),
     params:
-        seq_len=lambda wc: RUNS[wc.run].training["seq_len"],
-        batch_size=PLAN.config["evaluation"]["perplexity"]["batch_size"],
-        max_tokens=PLAN.config["evaluation"]["perplexity"]["max_tokens"],
+        perplexity=score_params,
+        lm_eval=None,
         device=PLAN.config["device"],
     script:
-        "../workflow_scripts/perplexity.py"
+        "../workflow_scripts/score_text.py"
 
 
 rule recall:
@@ -78,29 +113,3 @@ rule write_lm_eval_data:
         seed=PLAN.lm_eval["seed"],
     script:
         "../workflow_scripts/write_lm_eval_data.py"
-
-
-rule lm_eval:
-    input:
-        model=paths.model("{run}"),
-        data=lm_eval_data_files(),
-    output:
-        paths.lm_eval("{run}"),
-    log:
-        paths.log("evaluate", "lm_eval_{run}"),
-    benchmark:
-        paths.bench("evaluate", "lm_eval_{run}")
-    conda:
-        "../envs/lm_eval.yaml"
-    threads: 1
-    resources:
-        runtime=60,
-        mem_mb=lambda wc, attempt: 8000 * attempt,
-        gpu=gpu_count(),
-    params:
-        tasks=PLAN.lm_eval["tasks"],
-        batch_size=PLAN.lm_eval["batch_size"],
-        limit=PLAN.lm_eval["limit"],
-        device=PLAN.config["device"],
-    script:
-        "../workflow_scripts/lm_eval.py"

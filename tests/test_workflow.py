@@ -87,7 +87,8 @@ def test_paper_dry_run_builds_the_full_dag(tmp_path):
     # Table 1 (7 runs at 70M), Table 3 (6 more windows), sigmoid and layer-subset DAR, seed 001's
     # three baselines, Table 2 (vanilla and DAR at 160M, 410M), Table 4 (6 d_down at d = 2048)
     assert counts["pretrain"] == 7 + 6 + 2 + 3 + 4 + 6
-    assert counts["lm_eval"] == 6  # evaluation.lm_eval.scales: the d = 2048 sweep
+    assert counts["score_text"] == 6  # evaluation.lm_eval.scales: the d = 2048 sweep, with perplexity
+    assert counts["perplexity"] == 7 + 6 + 2 + 3 + 4  # the other text runs: perplexity alone
     assert counts["capture_qkv"] == 8  # 4 hub models x (fit, eval)
     assert counts["fit_projection"] == 4 * 4 * 7  # models x objectives x d'
     assert "shakespeare" not in text and "tiny-" not in text  # nothing leaks from config.yaml

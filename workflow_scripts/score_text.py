@@ -1,0 +1,16 @@
+from pathlib import Path
+
+from _workflow import logged
+
+with logged(snakemake):
+    from dimattn.evaluation import evaluate_perplexity, run_lm_eval
+
+    p, model = snakemake.params, Path(snakemake.input.model)
+    ppl = p.perplexity
+    for corpus, tokens, out in zip(ppl["corpora"], snakemake.input.tokens, snakemake.output.perplexity):
+        evaluate_perplexity(model_dir=model, tokens_bin=Path(tokens), corpus=corpus, seq_len=ppl["seq_len"],
+                            batch_size=ppl["batch_size"], max_tokens=ppl["max_tokens"], out_json=Path(out),
+                            device=p.device)
+    if p.lm_eval:
+        run_lm_eval(model_dir=model, tasks=p.lm_eval["tasks"], batch_size=p.lm_eval["batch_size"],
+                    limit=p.lm_eval["limit"], out_json=Path(snakemake.output.lm_eval), device=p.device)
