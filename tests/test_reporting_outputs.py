@@ -7,6 +7,7 @@ from reporting_fixtures import (
     REFERENCE,
     fields,
     is_png,
+    replicated,
     summary_path,
     write_fidelity_csvs,
     write_full_summaries,
@@ -14,7 +15,7 @@ from reporting_fixtures import (
 )
 
 from dimattn import variants
-from dimattn.reporting import outputs, summaries
+from dimattn.reporting import outputs, selection, summaries
 from dimattn.reporting.selection import NoRuns
 
 TEXT_OUTPUTS = {"tables/dar_perplexity.tex", "figures/dar_perplexity.png", "figures/dar_trajectory.png"}
@@ -115,6 +116,16 @@ def test_recall_lm_eval_and_dimpo_outputs():
     assert wanted([VANILLA], dimpo=True) == dimpo
     assert not wanted([VANILLA]) & dimpo
     assert wanted([], dimpo=True) == dimpo
+
+
+def test_replicates_count_once():
+    """A setting trained with more seeds than the others does not outweigh them."""
+    off_main = run("dar", window=4, d_down=16)
+    replicates = [off_main | {"run": f"{off_main['run']}-s{seed}", "seed": seed} for seed in (1, 2)]
+    runs = [VANILLA, run("dar", window=16, d_down=8), run("dar", window=16, d_down=32), off_main, *replicates]
+    assert selection.main_window(runs) == 16  # two settings at w = 16, one (of three runs) at w = 4
+    assert "tables/dar_scales.tex" not in wanted(runs)  # d/4 only off the main window
+    assert wanted([fields(s) for s in replicated()], True, True) == wanted([fields(s) for s in FULL], True, True)
 
 
 def test_wanted_summaries():

@@ -15,13 +15,17 @@ from reporting_fixtures import (
     D_PRIMES,
     DATASETS,
     FIDELITY_SCALE,
+    FIT_SEED_FACTOR,
     FULL,
     N_LAYERS,
     RECALL,
     REL,
     TEXT,
     VANILLA_PPL,
+    VANILLA_SEED_FACTOR,
+    VANILLA_TEXT_PPL,
     WINDOW,
+    replicated,
     run_name,
     summary_path,
     write_eval_jsons,
@@ -218,6 +222,48 @@ def test_summarize_fidelity_concatenates_and_checks_columns(tmp_path):
     pd.read_csv(paths[0]).drop(columns="mse").to_csv(bad, index=False)
     with pytest.raises(ValueError, match="mse"):
         summaries.summarize_fidelity([bad], tmp_path / "fid2.csv")
+
+
+def test_summarize_perplexity_pairs_replicates_by_seed(tmp_path):
+    """Perplexity: each replicate over the Vanilla of its seed; Vanilla lacks seed 2 on d = 128,
+    so there seed 2 is divided by the mean of Vanilla's seeds 0 and 1, and vanilla_seed is empty."""
+    raw = write_full(tmp_path, [s for s in replicated() if s["run"] != "tiny-vanilla-s2"])
+    df = summaries.summarize_perplexity(raw["ppl"], tmp_path / "ppl.csv").set_index("run")
+    back = summaries.read(tmp_path / "ppl.csv", "dar_perplexity").set_index("run")
+    assert back.loc["tiny-dar-w32-d64-s1", "vanilla_seed"] == 1
+    assert pd.isna(back.loc["tiny-dar-w32-d64-s2", "vanilla_seed"])
+    assert df.loc["tiny-dar-w32-d64", "rel_to_vanilla"] == pytest.approx(98.5)
+    # 98.5 + 0.6: its seed's Vanilla factor cancels.
+    assert df.loc["tiny-dar-w32-d64-s1", "rel_to_vanilla"] == pytest.approx(99.1)
+    vanilla_mean = VANILLA_TEXT_PPL[128] * (VANILLA_SEED_FACTOR[0] + VANILLA_SEED_FACTOR[1]) / 2
+    ppl_s2 = VANILLA_TEXT_PPL[128] * VANILLA_SEED_FACTOR[2] * (98.5 - 0.6) / 100
+    assert df.loc["tiny-dar-w32-d64-s2", "rel_to_vanilla"] == pytest.approx(100 * ppl_s2 / vanilla_mean)
+    # Micro's Vanilla has every seed: seed 2 lies its jitter below.
+    micro = next(s for s in FULL if s["run"] == "micro-dar-w32-d16")
+    assert df.loc["micro-dar-w32-d16-s2", "rel_to_vanilla"] == pytest.approx(100.25 - micro["rel_jitter"])
+    assert back.loc["micro-dar-w32-d16-s2", "vanilla_seed"] == 2
+
+
+def test_summarize_trajectory_pairs_replicates_by_seed(tmp_path):
+    runs = replicated()
+    raw = write_full(tmp_path, runs)
+    datasets = {s["run"]: s["dataset"] for s in runs}
+    df = summaries.summarize_trajectory(raw["models"], tmp_path / "t.csv", datasets=datasets)
+    last = df[df["step"] == 200].set_index("run")
+    # Every run of seed s carries its seed's Vanilla offset in the loss; pairing removes it.
+    assert last.loc["tiny-dar-w32-d64-s2", "rel_to_vanilla"] == pytest.approx(
+        (98.5 - 0.6) * math.exp(0.05 * math.exp(-200 / 60)), rel=1e-5
+    )
+    assert set(df["vanilla_seed"].dropna()) == {0, 1, 2}
+    assert (df["vanilla_seed"] == df["seed"]).all()
+
+
+def test_summarize_fidelity_keeps_its_seed_column(tmp_path):
+    df = summaries.summarize_fidelity(write_fidelity_csvs(tmp_path, seeds=(1, 0)), tmp_path / "f.csv")
+    assert list(df.columns) == summaries.COLUMNS["dimpo_fidelity"] + ["seed"]
+    first = df[(df["objective"] == "kl") & (df["d_prime"] == 2)]
+    assert list(first["seed"]) == [0] * 4 + [1] * 4  # each fit's layers together, seeds in order
+    assert first["kl"].iloc[4] == pytest.approx(first["kl"].iloc[0] * FIT_SEED_FACTOR[1])
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,8 @@
 Our models are far smaller than the paper's (Pythia-70M, d = 512), so paper numbers are matched
 by the ratio d_down/d, and every table prints both dimensions. Which runs each output shows is
 ``selection``'s call; each function raises ``selection.NoRuns`` when its summaries hold none.
+Replicates of a setting (training seeds) are shown as their mean and min-max range
+(``replicates``), and a comparison the paper makes is marked where it lies within that spread.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from .. import variants
-from . import latex, paper, plots, selection
-from .latex import MISSING, Tex, fmt, fmt_fraction, fraction, integer, na
+from . import latex, paper, plots, replicates, selection
+from .latex import DAGGER, DDAGGER, MISSING, SpreadCells, Tex, fmt, fmt_fraction, fraction, integer, na
 from .lm_eval import lower_is_better, metric_label
 from .plots import VARIANT_COLORS, CHANCE_COLOR
+from .replicates import Spread, count_seeds, rel_to_vanilla, relative, seed_counts, settings, spread
 from .selection import NoRuns, frame_scales, records, rows_of, scale_label
 
 Frames = dict[str, pd.DataFrame]
@@ -39,6 +42,11 @@ Frames = dict[str, pd.DataFrame]
 
 def _ratio(row) -> Fraction | None:
     return Fraction(1) if row["attention"] == "vanilla" else fraction(row["d_down"], row["hidden_size"])
+
+
+def _ppl_settings(ppl: pd.DataFrame) -> pd.DataFrame:
+    """The perplexity summary, one row per setting and corpus (``replicates.settings``)."""
+    return settings(ppl, ["ppl", "rel_to_vanilla"], ["corpus", "split"])
 
 
 def _table1_rows(ppl: pd.DataFrame) -> pd.DataFrame:
@@ -73,26 +81,30 @@ def perplexity_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
     """Seed 000 Table 1: Rel. perplexity per d_down/d, the paper's number at the same ratio beside.
 
     The recall summary, when the config has recall runs, only adds a note pointing to recall.tex."""
-    ppl, recall = frames["dar_perplexity"], frames.get("recall")
+    ppl, recall = _ppl_settings(frames["dar_perplexity"]), frames.get("recall")
     rows_all = _table1_rows(ppl)
     if not selection.compared(records(rows_all)):
         raise NoRuns("no text scale has a vanilla run beside plain DAR or Uniform runs")
     table1 = paper.dar_table1(reference_dir)
     d_per_corpus = rows_all.groupby("corpus")["hidden_size"].nunique()
+    cell = SpreadCells(seed_counts(rows_all), {DAGGER: r"DAR and Uniform at the same d\textsubscript{down}/d"})
     groups = []
     for scale, rows in frame_scales(rows_all):
+        rel = {(row["attention"], _ratio(row)): rel_to_vanilla(row) for _, row in rows.iterrows()}
         cells = []
         for _, row in rows.iterrows():
             ratio = _ratio(row)
             ref = table1.get((row["attention"], ratio))
+            partner = {"dar": "uniform", "uniform": "dar"}.get(row["attention"])
+            within = rel[row["attention"], ratio].overlaps(rel.get((partner, ratio)))
             cells.append(
                 {
                     "variant": variants.VARIANTS[row["attention"]].label,
                     "window": integer(row["window"]),
                     "d_down": integer(row["hidden_size"] if row["attention"] == "vanilla" else row["d_down"]),
                     "ratio": fmt_fraction(ratio),
-                    "ppl": fmt(row["ppl"]),
-                    "rel": fmt(row["rel_to_vanilla"]),
+                    "ppl": cell(spread(row, "ppl")),
+                    "rel": cell(rel[row["attention"], ratio], marks=[DAGGER] if within else []),
                     "paper": ref["text"] if ref else MISSING,
                     "paper_d_down": str(ref["d_down"]) if ref else MISSING,
                 }
@@ -123,12 +135,13 @@ def perplexity_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
         paper_window=next((p["window"] for p in table1.values() if p["window"]), 128),
         table2_note=_table2_note(reference_dir),
         sweep_note=Tex(" ".join(notes)),
+        spread_note=cell.note(),
     )
 
 
 def perplexity_figure(frames: Frames, reference_dir: Path, path: Path) -> Path:
     """Table 1 as a figure: a panel per text scale with a d_down sweep, the paper's curves dashed."""
-    rows_all = _table1_rows(frames["dar_perplexity"]).dropna(subset=["rel_to_vanilla"])
+    rows_all = _table1_rows(_ppl_settings(frames["dar_perplexity"])).dropna(subset=["rel_to_vanilla"])
     panels = [(s, r) for s, r in frame_scales(rows_all) if (r["attention"] != "vanilla").sum() >= 2]
     if not panels:  # no sweep anywhere: whatever single points there are
         panels = [(s, r) for s, r in frame_scales(rows_all) if (r["attention"] != "vanilla").any()]
@@ -160,9 +173,10 @@ def perplexity_figure(frames: Frames, reference_dir: Path, path: Path) -> Path:
                     )
                 mine = rows[rows["attention"] == attention].sort_values("ratio")
                 if not mine.empty:
-                    ax.plot(
+                    plots.line(
+                        ax,
                         mine["ratio"].astype(float),
-                        mine["rel_to_vanilla"].astype(float),
+                        [spread(r, "rel_to_vanilla") for _, r in mine.iterrows()],
                         ls="-",
                         lw=2.2,
                         marker="o" if attention == "dar" else "s",
@@ -190,7 +204,7 @@ def perplexity_figure(frames: Frames, reference_dir: Path, path: Path) -> Path:
         fig.suptitle(
             "Perplexity relative to Vanilla vs. bottleneck width $d_{\\mathrm{down}}/d$\n"
             f"ours: solid, filled; paper (seed 000 Table 1, {ref_any['model']}, d={ref_any['d_model']}, "
-            f"w={ref_any['window']}): dashed, hollow",
+            f"w={ref_any['window']}): dashed, hollow" + plots.spread_note(seed_counts(*(r for _, r in panels))),
             fontsize=12,
         )
     return Path(path)
@@ -207,12 +221,14 @@ def _table2_rows(ppl: pd.DataFrame) -> pd.DataFrame:
 
 def scales_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
     """Seed 000 Table 2: DAR at d_down = d/4 at each hidden_size, Rel. to that scale's vanilla, paper beside."""
-    ppl = frames["dar_perplexity"]
+    ppl = _ppl_settings(frames["dar_perplexity"])
     dar = _table2_rows(ppl)
     if dar.empty:
         raise NoRuns("no text scale has a vanilla run and a plain DAR run at d_down = d/4 at its main window")
     table2 = paper.dar_table2(reference_dir)
-    vanilla = ppl[selection.plain_mask(ppl) & (ppl["attention"] == "vanilla")].set_index(selection.SCALE_KEYS)["ppl"]
+    vanilla = ppl[selection.plain_mask(ppl) & (ppl["attention"] == "vanilla")]
+    cell = SpreadCells(seed_counts(dar, vanilla), {DAGGER: "the perplexities of DAR and of Vanilla of the same width"})
+    vanilla = vanilla.set_index(selection.SCALE_KEYS)["ppl" + replicates.SUFFIX]
     by_d = {p["d_model"]: p for p in table2}
     exact = all(int(d) in by_d for d in dar["hidden_size"])
     groups = []
@@ -226,14 +242,17 @@ def scales_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
         cells = []
         for ours, theirs in pairs:
             vanilla_ppl = vanilla.get((corpus, split, ours["hidden_size"])) if ours is not None else None
+            within = ours is not None and spread(ours, "ppl").overlaps(vanilla_ppl)
             cells.append(
                 {
                     "d_model": integer(ours["hidden_size"]) if ours is not None else MISSING,
                     "d_down": integer(ours["d_down"]) if ours is not None else MISSING,
                     "window": integer(ours["window"]) if ours is not None else MISSING,
-                    "ppl": fmt(ours["ppl"]) if ours is not None else MISSING,
-                    "vanilla_ppl": fmt(vanilla_ppl) if ours is not None else MISSING,
-                    "rel": fmt(ours["rel_to_vanilla"]) if ours is not None else MISSING,
+                    "ppl": cell(spread(ours, "ppl")) if ours is not None else MISSING,
+                    "vanilla_ppl": cell(vanilla_ppl) if ours is not None else MISSING,
+                    "rel": cell(spread(ours, "rel_to_vanilla"), marks=[DAGGER] if within else [])
+                    if ours is not None
+                    else MISSING,
                     "paper_model": theirs["model"] if theirs else MISSING,
                     "paper_d": str(theirs["d_model"]) if theirs else MISSING,
                     "paper_d_down": str(theirs["d_down"]) if theirs else MISSING,
@@ -247,6 +266,7 @@ def scales_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
         groups=groups,
         exact=exact,
         paper_window=next((p["window"] for p in table2 if p["window"]), 128),
+        spread_note=cell.note(),
     )
 
 
@@ -256,11 +276,13 @@ def scales_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
 def _window_sweeps(ppl: pd.DataFrame | None, recall: pd.DataFrame | None) -> list[dict]:
     """Per scale, its plain DAR runs at the d_down of its window sweep (``selection.window_sweep``).
 
-    Text scales give Rel. perplexity, recall scales the overall recall accuracy; each sweep also
-    carries the scale's Vanilla, Uniform at the same d_down (every token through the bottleneck,
-    as DAR with w = 0) and, for recall, chance.
+    Text scales give Rel. perplexity, recall scales the overall recall accuracy, each a
+    ``replicates.Spread`` per window; each sweep also carries the scale's Vanilla, Uniform at the
+    same d_down (every token through the bottleneck, as DAR with w = 0) and, for recall, chance.
     """
+    ppl = settings(ppl, ["rel_to_vanilla"], ["corpus", "split"]) if ppl is not None else None
     overall = recall[recall["scope"] == "overall"] if recall is not None else None
+    overall = settings(overall, ["accuracy"], ["corpus", "split"]) if overall is not None else None
     sweeps = []
     for source, df, value in (("text", ppl, "rel_to_vanilla"), ("recall", overall, "accuracy")):
         for scale, rows in frame_scales(df):
@@ -273,7 +295,7 @@ def _window_sweeps(ppl: pd.DataFrame | None, recall: pd.DataFrame | None) -> lis
 
             def one(sel):
                 sel = sel.dropna(subset=[value])
-                return float(sel[value].iloc[0]) if len(sel) else None
+                return spread(sel.iloc[0], value) if len(sel) else None
 
             uniform = plain[(plain["attention"] == "uniform") & (plain["d_down"] == d_down).fillna(False)]
             sweeps.append(
@@ -282,7 +304,7 @@ def _window_sweeps(ppl: pd.DataFrame | None, recall: pd.DataFrame | None) -> lis
                     "scale": scale,
                     "d_down": d_down,
                     "main_window": selection.main_window(records(rows)),
-                    "points": {int(w): float(v) for w, v in zip(sweep["window"], sweep[value])},
+                    "points": {int(r["window"]): spread(r, value) for _, r in sweep.iterrows()},
                     "runs": {int(w): r for w, r in zip(sweep["window"], sweep["run"])},
                     "vanilla": one(plain[plain["attention"] == "vanilla"]),
                     "uniform": one(uniform),
@@ -294,14 +316,39 @@ def _window_sweeps(ppl: pd.DataFrame | None, recall: pd.DataFrame | None) -> lis
     return sweeps
 
 
+# On text every replicate is divided by its own Vanilla (by seed): Vanilla's Rel. is 100 exactly.
+_TEXT_VANILLA = Spread((100.0,))
+
+
+def _sweep_spreads(sweep: dict) -> list:
+    """The Spreads a window sweep shows (None where it lacks a reference)."""
+    return [*sweep["points"].values(), sweep["vanilla"], sweep["uniform"]]
+
+
+def _best_window(sweep: dict) -> int:
+    """The window with the best mean: the lowest Rel. perplexity, the highest recall accuracy."""
+    sign = 1 if sweep["source"] == "text" else -1
+    return min(sweep["points"], key=lambda w: (sign * sweep["points"][w].mean, w))
+
+
 def window_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
     """Seed 000 Table 3 (window sweep): Rel. perplexity and recall accuracy per w at a fixed d_down."""
     sweeps = _window_sweeps(frames.get("dar_perplexity"), frames.get("recall"))
     finding = paper.finding(reference_dir, "000 Table 3")
     windows = sorted({w for s in sweeps for w in s["points"]})
+    cell = SpreadCells(
+        count_seeds(x for s in sweeps for x in _sweep_spreads(s)),
+        {DAGGER: "this window and the best window of its column (by mean)", DDAGGER: "this window and w = 0"},
+    )
 
-    def fmt_value(source, v):
-        return fmt(v) if source == "text" else latex.pct(v)
+    def fmt_value(source, v, marks=()):
+        return cell(v, fmt if source == "text" else latex.pct, marks)
+
+    def marks(s, w):
+        points, best = s["points"], _best_window(s)
+        within_best = w != best and points[w].overlaps(points[best])
+        within_0 = w != 0 and points[w].overlaps(points.get(0))
+        return [m for m, on in ((DAGGER, within_best), (DDAGGER, within_0)) if on]
 
     columns = [
         {
@@ -322,14 +369,15 @@ def window_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
     rows = [
         {
             "label": Tex(f"w = {w}" + (r" (all distant)" if w == 0 else "")),
-            "cells": [fmt_value(s["source"], s["points"].get(w)) for s in sweeps],
+            "cells": [fmt_value(s["source"], s["points"].get(w), marks(s, w) if w in s["points"] else ())
+                      for s in sweeps],
         }
         for w in windows
     ]
     reference_rows = [
         {
             "label": "Vanilla",
-            "cells": [fmt_value(s["source"], 100.0 if s["source"] == "text" else s["vanilla"]) for s in sweeps],
+            "cells": [fmt_value(s["source"], _TEXT_VANILLA if s["source"] == "text" else s["vanilla"]) for s in sweeps],
         },
     ]
     if any(s["uniform"] is not None for s in sweeps):
@@ -343,7 +391,7 @@ def window_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
         reference_rows.append(
             {
                 "label": "Chance",
-                "cells": [fmt_value(s["source"], s["chance"]) if s["source"] == "recall" else "" for s in sweeps],
+                "cells": [latex.pct(s["chance"]) if s["source"] == "recall" else "" for s in sweeps],
             }
         )
     return latex.render(
@@ -356,6 +404,7 @@ def window_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
         finding=finding,
         main_windows=", ".join(sorted({str(s["main_window"]) for s in sweeps if s["main_window"] is not None}))
         or MISSING,
+        spread_note=cell.note(),
     )
 
 
@@ -383,9 +432,11 @@ def window_figure(frames: Frames, reference_dir: Path, path: Path) -> Path:
             text = s["source"] == "text"
             scale = 1.0 if text else 100.0
             ws = sorted(s["points"])
-            (h,) = ax.plot(
+            h = plots.line(
+                ax,
                 ws,
-                [s["points"][w] * scale for w in ws],
+                [s["points"][w] for w in ws],
+                scale,
                 color=VARIANT_COLORS["dar"],
                 marker="o",
                 lw=2.2,
@@ -393,19 +444,19 @@ def window_figure(frames: Frames, reference_dir: Path, path: Path) -> Path:
                 label="DAR",
             )
             handles.setdefault("DAR", h)
-            refs = [("Vanilla", 100.0 if text else s["vanilla"], VARIANT_COLORS["vanilla"], "-")]
+            refs = [("Vanilla", _TEXT_VANILLA if text else s["vanilla"], VARIANT_COLORS["vanilla"], "-")]
             refs.append((r"Uniform, same $d_{\mathrm{down}}$", s["uniform"], VARIANT_COLORS["uniform"], "--"))
             if not text:
-                refs.append(("chance", s["chance"], CHANCE_COLOR, ":"))
+                refs.append(("chance", Spread((s["chance"],)), CHANCE_COLOR, ":"))
             for label, value, color, ls in refs:
                 if value is None:
                     continue
-                h = ax.axhline(value * scale, color=color, ls=ls, lw=1.6, label=label, zorder=1)
+                h = plots.hline(ax, value, scale, color=color, ls=ls, lw=1.6, label=label, zorder=1)
                 handles.setdefault(label, h)
             if s["main_window"] is not None and s["main_window"] in s["points"]:
                 ax.plot(
                     [s["main_window"]],
-                    [s["points"][s["main_window"]] * scale],
+                    [s["points"][s["main_window"]].mean * scale],
                     marker="o",
                     ms=13,
                     mfc="none",
@@ -433,7 +484,8 @@ def window_figure(frames: Frames, reference_dir: Path, path: Path) -> Path:
         finding = paper.finding(reference_dir, "000 Table 3")
         fig.suptitle(
             f"{title}; w = 0 sends every token through the bottleneck"
-            + ("\n" + textwrap.fill(f"paper, in words only: {finding}", 110) if finding else ""),
+            + ("\n" + textwrap.fill(f"paper, in words only: {finding}", 110) if finding else "")
+            + plots.spread_note(count_seeds(x for s in sweeps for x in _sweep_spreads(s)), bands=True),
             fontsize=12,
         )
     return Path(path)
@@ -473,19 +525,27 @@ def _primary_metric(task: str, metrics: Iterable[str], paper_metrics: dict[str, 
 
 
 def _downstream_blocks(lm: pd.DataFrame, paper_metrics: dict[str, str]) -> list[dict]:
-    """Per (hidden_size, window) with a no-bottleneck DAR run (``selection.no_bottleneck``): its plain DAR runs."""
+    """Per (hidden_size, window) with a no-bottleneck DAR run (``selection.no_bottleneck``): its plain
+    DAR runs; ``ref_runs`` are the control's replicates, ``ref_run`` the name of its lowest seed."""
     dar = lm[selection.plain_mask(lm) & (lm["attention"] == "dar")].dropna(subset=["d_down", "window"])
     blocks = []
     for hidden_size, rows in dar.groupby("hidden_size", sort=False):
         refs = rows_of(rows, selection.no_bottleneck(records(rows)))
         for window in sorted(int(w) for w in refs["window"].unique()):
             at_w = rows[rows["window"] == window]
-            ref_run = refs.loc[refs["window"] == window, "run"].iloc[0]
-            ref = at_w[at_w["run"] == ref_run]
+            ref_runs = refs[refs["window"] == window].sort_values("seed", kind="stable")["run"]
+            ref = at_w[at_w["run"].isin(set(ref_runs))]
             tasks = list(dict.fromkeys(ref["task"]))
             metrics = {t: _primary_metric(t, ref.loc[ref["task"] == t, "metric"], paper_metrics) for t in tasks}
             blocks.append(
-                {"d_model": int(hidden_size), "window": window, "ref_run": ref_run, "rows": at_w, "metrics": metrics}
+                {
+                    "d_model": int(hidden_size),
+                    "window": window,
+                    "ref_run": ref_runs.iloc[0],
+                    "ref_runs": set(ref_runs),
+                    "rows": at_w,
+                    "metrics": metrics,
+                }
             )
     if not blocks:
         raise NoRuns("no plain DAR run with d_down = hidden_size (the no-bottleneck control) has lm-eval scores")
@@ -493,25 +553,21 @@ def _downstream_blocks(lm: pd.DataFrame, paper_metrics: dict[str, str]) -> list[
 
 
 def downstream_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
-    """Seed 000 Table 4: lm-eval scores relative to the DAR no-bottleneck run (d_down = d, same w)."""
+    """Seed 000 Table 4: lm-eval scores relative to the DAR no-bottleneck run (d_down = d, same w),
+    replicate by replicate (``replicates.relative``: over the control's replicate of the same seed)."""
     blocks = _downstream_blocks(frames["lm_eval"], paper.dar_task_metrics(reference_dir))
     table4, paper_d, paper_window = paper.dar_table4(reference_dir)
     tasks = list(dict.fromkeys((t, m) for b in blocks for t, m in b["metrics"].items()))
+    scored = [_downstream_scores(block, tasks) for block in blocks]
+    cell = SpreadCells(seed_counts(*(f for pair in scored for f in pair)))
     out_blocks = []
-    for block in blocks:
-        rows = block["rows"]
-        values = {(r.run, r.task, r.metric): r.value for r in rows.itertuples()}
-        ref_values = {t: values.get((block["ref_run"], t, m)) for t, m in tasks}
-        runs = rows.drop_duplicates("run").sort_values("d_down", ascending=False)
+    for block, (by_task, runs) in zip(blocks, scored):
+        rel = {(r["run"], r["task"], r["metric"]): spread(r, "rel") for _, r in by_task.iterrows()}
+        ref = by_task[by_task["run"] == block["ref_run"]]  # a setting is named by its lowest seed's run
+        absolute = {(r["task"], r["metric"]): spread(r, "value") for _, r in ref.iterrows()}
         out_rows = []
-        for _, run in runs.iterrows():
-            cells, ups = [], []
-            for t, m in tasks:
-                v, r0 = values.get((run["run"], t, m)), ref_values[t]
-                rel = 100.0 * v / r0 if v is not None and r0 not in (None, 0) and not na(r0) else None
-                cells.append(fmt(rel))
-                if rel is not None and not lower_is_better(m):
-                    ups.append(rel)
+        for _, run in runs.sort_values("d_down", ascending=False).iterrows():
+            cells = [cell(rel.get((run["run"], t, m))) for t, m in tasks]
             ratio = fraction(run["d_down"], run["hidden_size"])
             theirs = table4.get(ratio)
             out_rows.append(
@@ -520,7 +576,7 @@ def downstream_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
                     "ratio": fmt_fraction(ratio),
                     "paper_d_down": str(theirs["d_down"]) if theirs else MISSING,
                     "cells": cells,
-                    "rel": fmt(sum(ups) / len(ups)) if ups else MISSING,
+                    "rel": cell(spread(run, "rel")),
                     "paper": theirs["text"] if theirs else MISSING,
                 }
             )
@@ -529,7 +585,7 @@ def downstream_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
                 "head": Tex(
                     rf"d = {block['d_model']}, w = {block['window']}; reference run {latex.escape(block['ref_run'])}"
                 ),
-                "absolute": [latex.fmt_sig(ref_values[t], 4) for t, _ in tasks],
+                "absolute": [cell(absolute.get((t, m)), lambda x: latex.fmt_sig(x, 4)) for t, m in tasks],
                 "rows": out_rows,
             }
         )
@@ -551,7 +607,25 @@ def downstream_table(frames: Frames, reference_dir: Path, path: Path) -> Path:
         paper_window=paper_window,
         any_lower=any(lower_is_better(m) for _, m in tasks),
         any_higher=any(not lower_is_better(m) for _, m in tasks),
+        spread_note=cell.note(),
     )
+
+
+def _downstream_scores(block: dict, tasks: list[tuple[str, str]]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A Table 4 block's scores relative to its control, replicate by replicate, aggregated per
+    setting: (per (task, metric): ``value`` and ``rel``; per run: ``rel``, the mean of its
+    relative scores over the table's tasks whose metric counts up)."""
+    rows = block["rows"]
+    rel, _ = relative(rows, "value", rows["run"].isin(block["ref_runs"]), ["task", "metric"], ["task", "metric"])
+    rows = rows.assign(rel=rel)
+    means = {}
+    for run, mine in rows.groupby("run", sort=False):
+        by_task = dict(zip(zip(mine["task"], mine["metric"]), mine["rel"]))
+        ups = [by_task[t, m] for t, m in tasks if not na(by_task.get((t, m))) and not lower_is_better(m)]
+        means[run] = sum(ups) / len(ups) if ups else None
+    per_run = rows.drop_duplicates("run").drop(columns=["task", "metric", "value", "stderr", "rel"])
+    per_run = per_run.assign(rel=per_run["run"].map(means).astype(float))
+    return settings(rows, ["value", "rel"], ["task", "metric"]), settings(per_run, ["rel"])
 
 
 # ----------------------------------------------------------------------------- Figure 3
@@ -589,6 +663,7 @@ def trajectory_runs(traj: pd.DataFrame) -> pd.DataFrame:
 def trajectory_figure(frames: Frames, reference_dir: Path, path: Path) -> Path:
     """Seed 000 Figure 3: validation perplexity relative to Vanilla along training, Table 1's runs only."""
     traj = trajectory_runs(frames["dar_trajectory"].dropna(subset=["rel_to_vanilla"]))
+    traj = settings(traj, ["rel_to_vanilla"], ["dataset", "step"])
     runs = traj[traj["attention"] != "vanilla"].drop_duplicates("run")
     # The fullest sweeps first, wider models first on a tie.
     sizes = runs.groupby(["dataset", "hidden_size"], sort=False)["run"].nunique()
@@ -607,9 +682,10 @@ def trajectory_figure(frames: Frames, reference_dir: Path, path: Path) -> Path:
                 shades = sns.color_palette(cmap, len(group) + 2)[2:]
                 for shade, (_, run) in zip(shades, group.iterrows()):
                     rows = traj[traj["run"] == run["run"]].sort_values("tokens")
-                    ax.plot(
+                    plots.line(
+                        ax,
                         rows["tokens"].astype(float),
-                        rows["rel_to_vanilla"].astype(float),
+                        [spread(r, "rel_to_vanilla") for _, r in rows.iterrows()],
                         color=shade,
                         lw=2,
                         marker=marker,
@@ -626,7 +702,8 @@ def trajectory_figure(frames: Frames, reference_dir: Path, path: Path) -> Path:
             ax.set_ylabel("validation perplexity\nrelative to Vanilla (%)")
         fig.suptitle(
             "Validation perplexity relative to Vanilla during training (analogue of seed 000 Figure 3)\n"
-            "100 = Vanilla at the same step; below 100 beats it",
+            "100 = Vanilla at the same step; below 100 beats it"
+            + plots.spread_note(seed_counts(traj[traj["attention"] != "vanilla"])),
             fontsize=12,
         )
     return Path(path)

@@ -3,7 +3,9 @@
 
 KL divergence of the attention weights and MSE of the attention outputs, averaged over layers,
 per objective and target width d'. The paper projects Llama-3.1-8B heads (d = 128), ours are
-tiny, so columns are matched by the ratio d'/d and both d' are printed.
+tiny, so columns are matched by the ratio d'/d and both d' are printed. Fits that differ only in
+their ``seed`` (a column the fidelity summary may carry) are replicates: their mean and min-max
+range are shown, and an objective within the seed spread of the one above it is marked.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import pandas as pd
 from matplotlib.lines import Line2D
 
 from . import latex, paper, plots
-from .latex import MISSING, Tex, fmt_fraction, fmt_sig
+from .latex import DAGGER, MISSING, SpreadCells, Tex, fmt_fraction, fmt_sig
 from .paper import DIMPO_HEAD_DIM, OBJECTIVE_ORDER
 from .plots import OBJECTIVE_COLORS
+from .replicates import aggregate, seed_counts, spread
 
 OBJECTIVE_LABELS = {
     "random": "Random",
@@ -57,14 +60,16 @@ def _label(objective: str, setting=None, tex: bool = True) -> str:
 
 
 def _means(fid: pd.DataFrame) -> pd.DataFrame:
-    """Seed 003 Table 1 averages KL and MSE over layers."""
+    """Seed 003 Table 1 averages KL and MSE over layers; then over the seeds of a fit, if any."""
     fid = fid.copy()
     fid["setting"] = fid["setting"].fillna("").astype(str) if "setting" in fid else ""
+    fit = ["model", "head_dim", "objective", "setting", "d_prime"]
     means = (
-        fid.groupby(["model", "head_dim", "objective", "setting", "d_prime"], sort=False)
+        fid.groupby(fit + (["seed"] if "seed" in fid else []), sort=False)
         .agg(kl=("kl", "mean"), mse=("mse", "mean"), n_layers=("layer", "nunique"))
         .reset_index()
     )
+    means = aggregate(means, ["kl", "mse"], fit)
     means["ratio"] = [Fraction(int(d), int(h)) for d, h in zip(means["d_prime"], means["head_dim"])]
     return means
 
@@ -78,6 +83,7 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
     means = _means(frames["dimpo_fidelity"])
     ref = paper.dimpo_table1(reference_dir)
     paper_model = ref["model"].iloc[0] if len(ref) else "Llama-3.1-8B-Instruct"
+    cell = SpreadCells(seed_counts(means), {DAGGER: "this objective and the one above it (ours)"})
     blocks = []
     for (model, head_dim), ours in means.groupby(["model", "head_dim"], sort=False):
         d_primes = sorted(ours["d_prime"].unique(), reverse=True)  # widest first, as the paper
@@ -91,15 +97,21 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
             for d, r in zip(d_primes, ratios)
         ]
         objectives = sorted(set(ours["objective"]) | set(ref["objective"]), key=lambda o: (_rank(o), o))
-        groups = []
+        groups, above = [], {}
         for objective in objectives:
             rows = []
             for setting, mine in ours[ours["objective"] == objective].groupby("setting", sort=False):
-                by_ratio = {r: m for r, m in zip(mine["ratio"], mine.itertuples())}
+                by_ratio = {r: m for r, (_, m) in zip(mine["ratio"], mine.iterrows())}
                 cells = []
                 for r in ratios:
                     m = by_ratio.get(r)
-                    cells += [fmt_sig(m.kl) if m else MISSING, fmt_sig(m.mse) if m else MISSING]
+                    for metric in ("kl", "mse"):
+                        if m is None:
+                            cells.append(MISSING)
+                            continue
+                        within = spread(m, metric).overlaps(above.get((r, metric)))
+                        cells.append(cell(spread(m, metric), fmt_sig, [DAGGER] if within else []))
+                above = {(r, metric): spread(m, metric) for r, m in by_ratio.items() for metric in ("kl", "mse")}
                 rows.append({"objective": _label(objective, setting), "source": "ours", "cells": cells})
             theirs = ref[ref["objective"] == objective]
             for setting in dict.fromkeys(theirs["setting"]):
@@ -130,6 +142,7 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
         paper_only=", ".join(
             OBJECTIVE_LABELS.get(o, o) for o in sorted(set(ref["objective"]) - set(means["objective"]), key=_rank)
         ),
+        spread_note=cell.note(),
     )
 
 
@@ -165,9 +178,10 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
                     label = _label(objective, setting, tex=False)
                     if source == "paper" and len(settings) == 1:
                         label = _label(objective, tex=False)
-                    (line,) = ax.plot(
+                    line = plots.line(
+                        ax,
                         sel["ratio"].astype(float),
-                        sel[value_col],
+                        [spread(row, value_col) for _, row in sel.iterrows()],
                         color=color,
                         lw=2.2 if source == "ours" else 1.8,
                         ls=styles[i % len(styles)],
@@ -209,7 +223,7 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
         fig.suptitle(
             "Attention fidelity of the query/key projection vs. width $d'/d$ (lower is better), ours beside seed 003 "
             "Table 1\nthe paper's model has ~8B parameters, ours is tiny: compare ordering and trend across rows, "
-            "not levels",
+            "not levels" + plots.spread_note(seed_counts(means)),
             fontsize=12,
         )
     return Path(path)

@@ -2,12 +2,17 @@
 
 Every ``<< x >>`` in a template is escaped unless it is :class:`Tex`, so no cell (a corpus
 name with ``_``, a run name, a lm-eval task) can break a table. Tables are written atomically.
+
+A cell of a setting trained with several seeds reads ``98.40 [97.90, 99.00]``: the mean, and the
+minimum and maximum over seeds (:class:`SpreadCells`, which also writes the caption's note).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections import Counter
+from collections.abc import Callable, Iterable
 from fractions import Fraction
 from pathlib import Path
 
@@ -15,6 +20,7 @@ import jinja2
 import pandas as pd
 
 from ..atomic import atomic_file
+from .replicates import Spread, seeds_text
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 MISSING = "--"
@@ -144,3 +150,52 @@ def fmt_fraction(frac: Fraction | None) -> str:
     if frac is None:
         return MISSING
     return str(frac.numerator) if frac.denominator == 1 else f"{frac.numerator}/{frac.denominator}"
+
+
+# ----------------------------------------------------------------------------- replicates
+
+# Marks of a comparison within the seed spread; a table's own words say which comparison.
+DAGGER, DDAGGER = r"\dagger", r"\ddagger"
+
+
+class SpreadCells:
+    """Formats one table's cells of settings: the mean, and where a setting has n > 1 seeds the
+    minimum and maximum in brackets, ``98.40 [97.90, 99.00]``, with ``, n=2`` where n is not
+    the table's usual one. One seed prints as a plain number. ``marks``: symbol -> the comparison
+    it flags as within the seed spread; :meth:`note` is the caption's sentence on both, empty when
+    every setting has one seed.
+
+    ``counts``: ``replicates.seed_counts`` of the frames the table shows.
+    """
+
+    def __init__(self, counts: Counter, marks: dict[str, str] | None = None):
+        self.counts = counts
+        self.usual = counts.most_common(1)[0][0] if counts else None
+        self.marks = marks or {}
+        self.used: set[str] = set()
+
+    def __call__(self, spread: Spread | None, number: Callable = fmt, marks: Iterable[str] = ()) -> str:
+        if spread is None or spread.n <= 1:
+            return number(None if spread is None else spread.mean)
+        marks = [m for m in self.marks if m in set(marks)]
+        self.used.update(marks)
+        n = f", n={spread.n}" if spread.n != self.usual else ""
+        low, high = escape(number(spread.min)), escape(number(spread.max))
+        symbols = "".join(rf"$^{{{m}}}$" for m in marks)
+        return Tex(rf"{escape(number(spread.mean))}{symbols} {{\scriptsize[{low}, {high}]{n}}}")
+
+    def note(self) -> str:
+        if not self.counts:
+            return ""
+        text = (
+            f"A setting trained with {seeds_text(self.counts)} shows the mean over its seeds and, in brackets, "
+            "their minimum and maximum"
+        )
+        text += f" (and n where it is not {self.usual})." if len(self.counts) > 1 else "."
+        for mark, says in self.marks.items():
+            if mark in self.used:
+                text += (
+                    rf" ${mark}$: {says}; the difference is within the seed spread (paired by seed, it does not "
+                    "have one sign at every seed; unpaired, the min-max ranges overlap)."
+                )
+        return Tex(text)

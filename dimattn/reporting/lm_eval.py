@@ -1,5 +1,5 @@
-"""The lm-evaluation-harness table (``lm_eval.tex``): every scored run, each task's metrics
-with their standard errors.
+"""The lm-evaluation-harness table (``lm_eval.tex``): every scored setting, each task's metrics
+with their standard errors (one seed) or their mean and min-max range over seeds.
 
 No paper column: seed 000's Table 4 reports scores of d = 2048 models relative to a
 d_down = d DAR model, which ``dar.downstream_table`` sets beside ours; these are absolute scores.
@@ -12,7 +12,8 @@ from pathlib import Path
 import pandas as pd
 
 from . import latex, selection
-from .latex import MISSING, Tex, integer
+from .latex import MISSING, SpreadCells, Tex, integer
+from .replicates import seed_counts, settings
 
 # Metrics where a smaller value is better; everything else lm-eval reports counts up.
 LOWER_IS_BETTER = {"perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"}
@@ -29,10 +30,13 @@ def metric_label(metric: str) -> str:
 
 
 def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
-    """Runs x (task, metric): value ± stderr, in the summary's run order."""
+    """Settings x (task, metric): value ± stderr, or over several seeds the mean [min, max], in the
+    summary's run order."""
     lm = frames["lm_eval"]
     if lm.empty:
         raise selection.NoRuns("no run has lm-eval scores")
+    lm = settings(lm, ["value"], ["task", "metric"])
+    cell = SpreadCells(seed_counts(lm))
     columns = list(dict.fromkeys(zip(lm["task"], lm["metric"])))
     tasks = [{"task": t, "span": sum(1 for c in columns if c[0] == t)} for t in dict.fromkeys(c[0] for c in columns)]
     cells = {(r.run, r.task, r.metric): r for r in lm.itertuples()}
@@ -43,6 +47,9 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
             r = cells.get((run["run"], task, metric))
             if r is None:
                 values.append(MISSING)
+                continue
+            if r.value_spread.n > 1:
+                values.append(cell(r.value_spread, lambda x: latex.fmt_sig(x, 4)))
                 continue
             text = latex.escape(latex.fmt_sig(r.value, 4))
             if not pd.isna(r.stderr):
@@ -65,4 +72,5 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
         rows=rows,
         wide=len(columns) > 5,
         d_models=", ".join(str(d) for d in sorted(lm["hidden_size"].unique())),
+        spread_note=cell.note(),
     )

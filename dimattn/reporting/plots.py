@@ -2,13 +2,16 @@
 figures share (log2 ratio axes, plain log y), and a figure context that saves a PNG atomically.
 
 Figures are drawn on ``matplotlib.figure.Figure`` with the Agg canvas (no pyplot state), in
-seaborn's whitegrid style, so one figure's settings never leak into the next.
+seaborn's whitegrid style, so one figure's settings never leak into the next. A point of a
+setting trained with several seeds is their mean with a min-max error bar (:func:`line`); a
+reference line gets a min-max band (:func:`hline`); :func:`spread_note` says so in the title.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from fractions import Fraction
 from pathlib import Path
@@ -20,6 +23,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from ..atomic import atomic_file
 from .latex import fmt_fraction
+from .replicates import Spread, seeds_text
 
 DPI = 150
 VARIANT_COLORS = {
@@ -63,6 +67,35 @@ def figure(path: Path, figsize: tuple[float, float]):
         yield fig
         with atomic_file(Path(path)) as tmp:
             fig.savefig(tmp, format="png", dpi=DPI, bbox_inches="tight")
+
+
+def line(ax, x, spreads: Sequence[Spread], factor: float = 1.0, **style):
+    """A line through the means of ``spreads`` (times ``factor``), with min-max error bars where
+    a point has several seeds; a plain ``ax.plot`` where none has. Returns the legend handle (the
+    line, or the errorbar container, which carries the label)."""
+    means = [s.mean * factor for s in spreads]
+    if not any(s.n > 1 for s in spreads):
+        return ax.plot(x, means, **style)[0]
+    below = [(s.mean - s.min) * factor if s.n > 1 else 0.0 for s in spreads]
+    above = [(s.max - s.mean) * factor if s.n > 1 else 0.0 for s in spreads]
+    return ax.errorbar(x, means, yerr=[below, above], capsize=3, elinewidth=1.1, **style)
+
+
+def hline(ax, spread: Spread, factor: float = 1.0, **style):
+    """A horizontal reference line at the mean, with a min-max band where it has several seeds."""
+    if spread.n > 1:
+        color = style.get("color", "0.5")
+        ax.axhspan(spread.min * factor, spread.max * factor, color=color, alpha=0.15, lw=0, zorder=0)
+    return ax.axhline(spread.mean * factor, **style)
+
+
+def spread_note(counts: Counter, bands: bool = False) -> str:
+    """The title's line on replicates, or "" when every setting has one seed; ``bands``: the
+    figure has reference lines (:func:`hline`)."""
+    if not counts:
+        return ""
+    what = "error bars and shaded bands" if bands else "error bars"
+    return f"\n{what}: min–max over {seeds_text(counts)}; points and lines at the mean"
 
 
 def panel_grid(n: int, max_cols: int = 3) -> tuple[int, int]:

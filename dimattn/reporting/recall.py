@@ -4,7 +4,9 @@ whether a model can fetch a value stored far back, which for DAR means through t
 No paper reports these numbers. Per recall scale the table lists accuracy over all queries and
 per query-to-key distance, in groups: Vanilla; DAR at the main window per d_down; Uniform; DAR at
 other windows; seed 001 baselines and DAR variants. The figure plots accuracy against d_down/d
-(DAR vs. Uniform) and against distance (one run of each kind).
+(DAR vs. Uniform) and against distance (one run of each kind). Settings trained with several
+seeds show their mean and min-max range; in the d_down and window sweeps, a row within the seed
+spread of its neighbour is marked.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ import textwrap
 from fractions import Fraction
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from . import latex, plots, selection
 from .baselines import setting
-from .latex import MISSING, fmt_fraction, fraction, na, pct
+from .latex import DAGGER, MISSING, SpreadCells, fmt_fraction, fraction, pct
 from .plots import CHANCE_COLOR, VARIANT_COLORS, VARIANT_MARKERS
+from .replicates import Spread, seed_counts, settings, spread
 
 
 def _distance_note(overall: pd.DataFrame) -> str:
@@ -45,6 +47,7 @@ def _blocks(recall: pd.DataFrame) -> list[dict]:
     """Per recall scale: its distance bins and its runs in the groups the recall table shows."""
     if recall.empty:
         raise selection.NoRuns("no run on a synthetic recall corpus")
+    recall = settings(recall, ["accuracy"], ["corpus", "split", "scope", "bin"])
     blocks = []
     for scale, rows in selection.frame_scales(recall):
         overall = rows[rows["scope"] == "overall"].drop_duplicates("run")
@@ -67,7 +70,7 @@ def _blocks(recall: pd.DataFrame) -> list[dict]:
         others = overall[~plain]
         others = others.assign(_k=[selection.kind_rank(selection.kind(r)) for _, r in others.iterrows()])
         groups.append(("baselines", others.sort_values(["_k", "window", "d_down"], kind="stable").drop(columns="_k")))
-        by_bin = {(r.run, r.bin): r.accuracy for r in dist.itertuples()}
+        by_bin = {(r.run, r.bin): r.accuracy_spread for r in dist.itertuples()}
         blocks.append(
             {
                 "scale": scale,
@@ -84,29 +87,43 @@ def _blocks(recall: pd.DataFrame) -> list[dict]:
     return blocks
 
 
+def _seed_counts(blocks: list[dict]):
+    return seed_counts(*(b["overall"] for b in blocks), *(b["distance"] for b in blocks))
+
+
 def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
     """Recall accuracy per run: overall and per query-to-key distance bin, per recall scale."""
     out = []
-    for block in _blocks(frames["recall"]):
+    blocks = _blocks(frames["recall"])
+    cell = SpreadCells(
+        _seed_counts(blocks),
+        {DAGGER: r"this row and the row above (the next wider d\textsubscript{down}, or the next smaller window)"},
+    )
+    for block in blocks:
         bins = [
             {"bin": int(b.bin), "head": f"{int(b.min_distance)}--{int(b.max_distance)}"}
             for b in block["bins"].itertuples()
         ]
         chance = pct(block["chance"])
         groups = [[{"label": "Chance", "setting": "", "ratio": "", "all": chance, "bins": [chance] * len(bins)}]]
-        for _, rows in block["groups"]:
-            group = []
+        for name, rows in block["groups"]:
+            group, above = [], None
             for _, run in rows.iterrows():
                 ratio = fraction(run["d_down"], run["hidden_size"])
+                neighbour = name in ("d_down", "uniform") or (
+                    name == "window" and above is not None and above["d_down"] == run["d_down"]
+                )
+                within = neighbour and above is not None and spread(run, "accuracy").overlaps(spread(above, "accuracy"))
                 group.append(
                     {
                         "label": selection.kind_label(selection.kind(run)),
                         "setting": setting(run),
                         "ratio": fmt_fraction(ratio) if ratio is not None else "",
-                        "all": pct(run["accuracy"]),
-                        "bins": [pct(block["by_bin"].get((run["run"], b["bin"]))) for b in bins],
+                        "all": cell(spread(run, "accuracy"), pct, [DAGGER] if within else []),
+                        "bins": [cell(block["by_bin"].get((run["run"], b["bin"])), pct) for b in bins],
                     }
                 )
+                above = run
             groups.append(group)
         n = block["overall"]["n"].dropna()
         out.append(
@@ -119,7 +136,7 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
                 "distance_note": block["distance_note"],
             }
         )
-    return latex.render("recall.tex.j2", path, blocks=out)
+    return latex.render("recall.tex.j2", path, blocks=out, spread_note=cell.note())
 
 
 def _selected_for_distance(overall: pd.DataFrame) -> list[tuple[tuple, dict]]:
@@ -146,7 +163,8 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
         notes = [f"{selection.scale_label(b['scale'])}: {b['distance_note']}" for b in blocks if b["distance_note"]]
         fig.suptitle(
             "Multi-query associative recall: can the model fetch a value stored far back?"
-            + "".join("\n" + textwrap.fill(n, 130) for n in notes),
+            + "".join("\n" + textwrap.fill(n, 130) for n in notes)
+            + plots.spread_note(_seed_counts(blocks), bands=True),
             fontsize=12,
         )
     return Path(path)
@@ -170,9 +188,11 @@ def _accuracy_by_width(ax, block: dict, head: str) -> None:
         if rows.empty:
             continue
         ratios |= {Fraction(int(d), int(m)) for d, m in zip(rows["d_down"], rows["hidden_size"])}
-        ax.plot(
+        plots.line(
+            ax,
             rows["ratio"],
-            100 * rows["accuracy"].astype(float),
+            [spread(r, "accuracy") for _, r in rows.iterrows()],
+            100,
             color=VARIANT_COLORS[attention],
             marker=marker,
             lw=2.2,
@@ -181,7 +201,8 @@ def _accuracy_by_width(ax, block: dict, head: str) -> None:
         )
     vanilla = overall[overall["attention"] == "vanilla"]
     if len(vanilla):
-        ax.axhline(100 * float(vanilla["accuracy"].iloc[0]), color=VARIANT_COLORS["vanilla"], lw=1.6, label="Vanilla")
+        vanilla = spread(vanilla.iloc[0], "accuracy")
+        plots.hline(ax, vanilla, 100, color=VARIANT_COLORS["vanilla"], lw=1.6, label="Vanilla")
     if block["chance"] is not None:
         ax.axhline(100 * block["chance"], color=CHANCE_COLOR, ls=":", lw=1.6, label="chance")
     if ratios:
@@ -204,12 +225,13 @@ def _accuracy_by_distance(ax, block: dict, head: str) -> None:
     bins = block["bins"]
     mids = [(int(b.min_distance) + int(b.max_distance)) / 2 for b in bins.itertuples()]
     for kind, run in _selected_for_distance(block["overall"]):
-        ys = [block["by_bin"].get((run["run"], int(b.bin))) for b in bins.itertuples()]
-        ys = [np.nan if na(y) else 100 * float(y) for y in ys]
+        ys = [block["by_bin"].get((run["run"], int(b.bin))) or Spread(()) for b in bins.itertuples()]
         attention = kind[0]
-        ax.plot(
+        plots.line(
+            ax,
             mids,
             ys,
+            100,
             color=plots.kind_color(kind),
             marker=VARIANT_MARKERS.get(attention, "o"),
             lw=2.0,

@@ -16,7 +16,9 @@ is a dict with ``dimattn.variants.RUN_FIELDS`` (a summary row works too, see :fu
   a seed 001 baseline or a DAR variant (``baselines``).
 
 A *scale* is the runs of one corpus and width: ``(dataset, hidden_size)`` of a run or a
-trajectory row, ``(corpus, split, hidden_size)`` of a perplexity or recall row.
+trajectory row, ``(corpus, split, hidden_size)`` of a perplexity or recall row. Replicates (runs
+of one setting, ``variants.SETTING_FIELDS``, with different seeds) are selected together and
+count once; the renderers aggregate them with ``replicates.settings``.
 
 No pandas, no matplotlib: ``rules/common.smk`` imports this through ``outputs``.
 """
@@ -76,10 +78,13 @@ def scales(runs: Iterable[dict], keys=RUN_SCALE_KEYS) -> list[list[dict]]:
 
 
 def _unique(runs: Iterable[dict]) -> list[dict]:
+    """One run per setting (``variants.SETTING_FIELDS``): replicates count once, so a setting
+    trained with more seeds than another does not outweigh it."""
     seen, out = set(), []
     for run in runs:
-        if run["run"] not in seen:
-            seen.add(run["run"])
+        setting = tuple(None if missing(run.get(f)) else run.get(f) for f in variants.SETTING_FIELDS)
+        if setting not in seen:
+            seen.add(setting)
             out.append(run)
     return out
 

@@ -12,6 +12,9 @@ Each ``summarize_*`` reads one kind of raw output and writes ``paths.summary(<na
 
 Every row of a run carries its run fields (``dimattn.variants.RUN_FIELDS``: the config's names,
 a field its variant does not take left empty), so the renderers select runs by what they are.
+Summaries stay tidy, one row per replicate (training seed); a value relative to Vanilla is
+paired by seed (``replicates.relative``), and ``vanilla_seed`` says which Vanilla replicate it
+was divided by (empty: the mean of Vanilla's replicates, which lack that seed).
 :func:`read` reads a summary back, checking that it has every column. Nothing here draws.
 """
 
@@ -29,20 +32,24 @@ from .. import variants
 from ..atomic import atomic_file
 from ..runs import run_metadata
 from .paper import OBJECTIVE_ORDER
+from .replicates import relative
 
 RUN_FIELDS = variants.RUN_FIELDS
 FIDELITY_COLUMNS = ["model", "objective", "d_prime", "head_dim", "layer", "kl", "mse"]
 COLUMNS = {
-    "dar_perplexity": RUN_FIELDS + ["corpus", "ppl", "rel_to_vanilla", "split", "n_tokens", "loss"],
-    "dar_trajectory": RUN_FIELDS + ["dataset", "step", "tokens", "val_loss", "val_ppl", "rel_to_vanilla"],
+    "dar_perplexity": RUN_FIELDS + ["corpus", "ppl", "rel_to_vanilla", "vanilla_seed", "split", "n_tokens", "loss"],
+    "dar_trajectory": RUN_FIELDS
+    + ["dataset", "step", "tokens", "val_loss", "val_ppl", "rel_to_vanilla", "vanilla_seed"],
     "lm_eval": RUN_FIELDS + ["task", "metric", "value", "stderr"],
     "recall": RUN_FIELDS
     + ["corpus", "split", "scope", "bin", "min_distance", "max_distance", "accuracy", "n", "chance"],
-    # An optional ``setting`` column (DimPO's k and lambda) follows these.
+    # Optional ``setting`` (DimPO's k and lambda) and ``seed`` (of the fit) columns follow these.
     "dimpo_fidelity": FIDELITY_COLUMNS,
 }
 INT_COLUMNS = [
     "hidden_size",
+    "seed",
+    "vanilla_seed",
     "d_down",
     "window",
     "dilation",
@@ -105,7 +112,7 @@ def _run_fields(record: dict, source) -> dict:
     if record.get("run") is None:
         raise ValueError(f"{source}: no 'run'; expected the fields of dimattn.runs.run_metadata")
     try:
-        return variants.run_fields(record["run"], record)
+        return variants.run_fields(record["run"], record, record.get("seed") or 0)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
 
@@ -123,41 +130,49 @@ def _sort_runs(df: pd.DataFrame, head: list[str], tail: list[str] = ()) -> pd.Da
 
 
 def _check_one_vanilla(vanilla: pd.DataFrame, keys: list[str]) -> None:
-    dup = vanilla[vanilla.duplicated(keys, keep=False)]
+    dup = vanilla[vanilla.duplicated(keys + ["seed"], keep=False)]
     if not dup.empty:
         raise ValueError(
-            f"more than one vanilla run for the same {', '.join(keys)}: {sorted(dup['run'].unique())}; "
-            "rel_to_vanilla needs exactly one baseline"
+            f"more than one vanilla run for the same {', '.join(keys)} and seed: {sorted(dup['run'].unique())}; "
+            "rel_to_vanilla needs exactly one baseline per seed"
         )
 
 
-def _relative_to_vanilla(df: pd.DataFrame, value: str, keys: list[str], scale: list[str], what: str) -> pd.DataFrame:
-    """df[rel_to_vanilla] = 100 * value / value(vanilla run with the same keys).
+def _relative_to_vanilla(
+    df: pd.DataFrame, value: str, keys: list[str], scale: list[str], what: str, pair_within: list[str]
+) -> pd.DataFrame:
+    """df[rel_to_vanilla] = 100 * value / value(vanilla run with the same keys and seed), or over
+    the mean of the vanilla replicates where none of them has the seed within ``pair_within``
+    (``replicates.relative``); df[vanilla_seed] = the seed of the vanilla run divided by, empty
+    for the mean.
 
     A scale (the ``scale`` columns, a subset of keys) without any vanilla run is allowed (seed 000
     Table 4 trains a d = 2048 scale with DAR only): its rel_to_vanilla stays empty. A scale that
     has a vanilla run for some keys but not for others is an error naming what lacks one.
     """
-    vanilla = df.loc[df["attention"] == "vanilla", keys + ["run", value]]
+    is_vanilla = df["attention"] == "vanilla"
+    vanilla = df.loc[is_vanilla, keys + ["run", "seed"]]
     _check_one_vanilla(vanilla, keys)
-    df = df.merge(vanilla.drop(columns="run").rename(columns={value: "_vanilla"}), on=keys, how="left")
+    df = df.copy()
+    df["rel_to_vanilla"], df["vanilla_seed"] = relative(df, value, is_vanilla, keys, pair_within)
     has_vanilla = df[scale].apply(tuple, axis=1).isin(set(vanilla[scale].apply(tuple, axis=1)))
-    lacking = df[df["_vanilla"].isna() & has_vanilla]
+    has_keys = df[keys].apply(tuple, axis=1).isin(set(vanilla[keys].apply(tuple, axis=1)))
+    lacking = df[~has_keys & has_vanilla]
     if what == "corpus" and not lacking.empty:
         first = lacking.iloc[0]
         raise ValueError(
             f"no vanilla run for corpus {first['corpus']!r} (hidden_size={first['hidden_size']}, "
             f"split={first['split']!r}); runs {sorted(lacking['run'].unique())} need one to compute rel_to_vanilla"
         )
-    df["rel_to_vanilla"] = 100.0 * df[value] / df["_vanilla"]
-    return df.drop(columns="_vanilla")
+    return df
 
 
 # ----------------------------------------------------------------------------- summarize_*
 
 
 def summarize_perplexity(eval_jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
-    """One row per (text run, corpus); rel_to_vanilla = 100 * ppl / ppl(Vanilla, same hidden_size, corpus)."""
+    """One row per (text run, corpus); rel_to_vanilla = 100 * ppl / ppl(Vanilla, same hidden_size,
+    corpus and seed; the mean of Vanilla's replicates where none has the seed)."""
     rows = []
     for path in eval_jsons:
         record = json.loads(Path(path).read_text())
@@ -178,7 +193,8 @@ def summarize_perplexity(eval_jsons: Iterable[os.PathLike | str], out_csv: os.Pa
         raise ValueError("summarize_perplexity got no evaluation JSON files")
     df = _as_int(pd.DataFrame(rows))
     df["split"] = df["split"].fillna("")
-    df = _relative_to_vanilla(df, "ppl", ["hidden_size", "corpus", "split"], ["hidden_size"], "corpus")
+    keys = ["hidden_size", "corpus", "split"]
+    df = _relative_to_vanilla(df, "ppl", keys, ["hidden_size"], "corpus", pair_within=keys)
     df = _sort_runs(df, ["corpus", "split"])[COLUMNS["dar_perplexity"]]
     _write_csv(df, out_csv)
     return df
@@ -187,7 +203,8 @@ def summarize_perplexity(eval_jsons: Iterable[os.PathLike | str], out_csv: os.Pa
 def summarize_trajectory(
     model_dirs: Iterable[os.PathLike | str], out_csv: os.PathLike | str, datasets: dict | None = None
 ) -> pd.DataFrame:
-    """Validation perplexity per evaluated step, relative to Vanilla at the same step (seed 000 Fig. 3).
+    """Validation perplexity per evaluated step, relative to Vanilla at the same step and seed
+    (seed 000 Fig. 3; the mean of Vanilla's replicates where none has the seed).
 
     datasets: run -> the dataset it trained on (``Run.dataset``); the baseline is the vanilla
     run of the same dataset and hidden_size. Without it, of the same hidden_size.
@@ -222,9 +239,10 @@ def summarize_trajectory(
         raise ValueError(
             f"no vanilla run with hidden_size={missing[0][1]} among the model directories; rel_to_vanilla needs one"
         )
-    # Steps the vanilla run did not evaluate stay NaN rather than being matched to a neighbour;
-    # so does a scale without a vanilla run (the config names each run's dataset, so none is lost).
-    df = _relative_to_vanilla(df, "val_ppl", scale + ["step"], scale, "step")
+    # Steps the paired vanilla run did not evaluate stay NaN rather than being matched to a
+    # neighbour or to another seed; so does a scale without a vanilla run (the config names each
+    # run's dataset, so none is lost).
+    df = _relative_to_vanilla(df, "val_ppl", scale + ["step"], scale, "step", pair_within=scale)
     df = _sort_runs(df, ["dataset"], tail=["step"])[COLUMNS["dar_trajectory"]]
     _write_csv(df, out_csv)
     return df
@@ -327,7 +345,8 @@ def summarize_recall(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | 
 
 
 def summarize_fidelity(csvs: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
-    """Concatenate the per-(model, objective, d') fidelity CSVs; an optional ``setting`` column is kept."""
+    """Concatenate the per-(model, objective, d') fidelity CSVs; optional ``setting`` and ``seed``
+    columns are kept (fits that differ only in ``seed`` are replicates; without it, one each)."""
     frames = []
     for path in csvs:
         frame = pd.read_csv(path)
@@ -341,7 +360,7 @@ def summarize_fidelity(csvs: Iterable[os.PathLike | str], out_csv: os.PathLike |
     extra = [c for c in df.columns if c not in FIDELITY_COLUMNS]
     order = {o: i for i, o in enumerate(OBJECTIVE_ORDER)}
     df = df.sort_values(
-        ["model", "objective", "d_prime", "layer"],
+        ["model", "objective", "d_prime", *(["seed"] if "seed" in df.columns else []), "layer"],
         key=lambda s: s.map(lambda o: order.get(o, len(order))) if s.name == "objective" else s,
         kind="stable",
     )
