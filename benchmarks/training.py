@@ -22,14 +22,13 @@ attention: 12 x head_dim x heads x layers x the live (query, key) pairs of a seq
 for vanilla and DAR alike (forward QK^T and PV, 2 FLOPs a multiply-add, backward twice the
 forward). Masked or padded scores a kernel computes anyway are not counted.
 
-``--dag-times PATH`` reads the Snakemake benchmark files under PATH (``**/*.tsv``, column ``s``:
+``--dag-times PATH`` reads the Snakemake benchmark files under PATH (``<rule>/*.tsv``, column ``s``:
 wall seconds of a job) and prints the seconds summed per rule, largest first, then the total.
 """
 
 import argparse
 import csv
 import json
-import re
 import statistics
 import sys
 import time
@@ -46,40 +45,9 @@ def emit(record: dict) -> None:
 
 # --- Snakemake benchmark files -------------------------------------------------------------------
 
-RULES = (
-    "pretrain", "perplexity", "recall", "lm_eval", "capture_qkv", "fit_projection", "attention_fidelity",
-    "download_sdist", "prepare_documents", "train_tokenizer", "tokenize", "generate_recall",
-    "write_lm_eval_tasks", "write_lm_eval_data",
-)
-# Benchmark names that do not start with their rule's name (rules/*.smk: paths.bench(stage, name)).
-NAME_PREFIXES = (
-    ("data", "download_", "download_sdist"), ("data", "documents_", "prepare_documents"),
-    ("data", "tokenizer", "train_tokenizer"), ("data", "generate_", "generate_recall"),
-    ("data", "tokenize_", "tokenize"), ("dimpo", "capture_", "capture_qkv"),
-    ("dimpo", "fit_", "fit_projection"), ("dimpo", "fidelity_", "attention_fidelity"),
-    ("evaluate", "perplexity_", "perplexity"), ("evaluate", "recall_", "recall"),
-    ("evaluate", "lm_eval_", "lm_eval"),
-)
-
-
 def rule_of(path: Path, root: Path) -> str:
-    """The rule a benchmark file belongs to: its first folder or file stem when that names a
-    rule (``pretrain/<run>.tsv``, ``download_sdist.tsv``), else the workflow's own naming
-    (``data/tokenize_<dataset>_<split>.tsv``, ``report/summarize_perplexity.tsv``)."""
-    parts = path.relative_to(root).parts
-    stem = Path(parts[-1]).stem
-    if len(parts) > 1 and parts[0] in RULES:
-        return parts[0]
-    if stem in RULES or re.match(r"(summarize|render)_", stem):
-        return stem
-    stage = parts[-2] if len(parts) > 1 else ""
-    for where, prefix, rule in NAME_PREFIXES:
-        if stem.startswith(prefix) and stage in (where, ""):
-            return rule
-    starts = [r for r in RULES if stem.startswith(r + "_")]
-    if starts:
-        return max(starts, key=len)
-    return parts[0] if len(parts) > 1 else stem
+    """The rule a benchmark file belongs to: the folder it lies in (dimattn.paths.bench)."""
+    return path.relative_to(root).parts[0]
 
 
 def dag_times(root: Path) -> None:

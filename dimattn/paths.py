@@ -132,8 +132,10 @@ def log(stage: str, name: str) -> str:
     return f"{LOGS}/{stage}/{name}.log"
 
 
-def bench(stage: str, name: str) -> str:
-    return f"{BENCH}/{stage}/{name}.tsv"
+def bench(rule: str, name: str) -> str:
+    """Snakemake's benchmark file of one job, in a folder named after its rule (so that
+    benchmarks/training.py --dag-times reads the rule off the path)."""
+    return f"{BENCH}/{rule}/{name}.tsv"
 
 
 if __name__ == "__main__":

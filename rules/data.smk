@@ -8,7 +8,7 @@ rule download_sdist:
     log:
         paths.log("data", "download_{dataset}"),
     benchmark:
-        paths.bench("data", "download_{dataset}")
+        paths.bench("download_sdist", "download_{dataset}")
     priority: 10
     retries: 2
     conda:
@@ -31,7 +31,7 @@ rule prepare_documents:
     log:
         paths.log("data", "documents_{dataset}"),
     benchmark:
-        paths.bench("data", "documents_{dataset}")
+        paths.bench("prepare_documents", "documents_{dataset}")
     priority: 10
     conda:
         "../envs/data.yaml"
@@ -58,7 +58,7 @@ rule train_tokenizer:
     log:
         paths.log("data", "tokenizer"),
     benchmark:
-        paths.bench("data", "tokenizer")
+        paths.bench("train_tokenizer", "tokenizer")
     priority: 10
     conda:
         "../envs/data.yaml"
@@ -80,7 +80,7 @@ rule generate_recall:
     log:
         paths.log("data", "generate_{dataset}"),
     benchmark:
-        paths.bench("data", "generate_{dataset}")
+        paths.bench("generate_recall", "generate_{dataset}")
     wildcard_constraints:
         dataset=one_of(PLAN.synthetic_datasets),
     priority: 10
@@ -107,7 +107,7 @@ rule tokenize:
     log:
         paths.log("data", "tokenize_{dataset}_{split}"),
     benchmark:
-        paths.bench("data", "tokenize_{dataset}_{split}")
+        paths.bench("tokenize", "tokenize_{dataset}_{split}")
     wildcard_constraints:
         dataset=one_of(PLAN.text_datasets),
     priority: 10

@@ -13,7 +13,7 @@ rule capture_qkv:
     log:
         paths.log("dimpo", "capture_{model}_{purpose}"),
     benchmark:
-        paths.bench("dimpo", "capture_{model}_{purpose}")
+        paths.bench("capture_qkv", "capture_{model}_{purpose}")
     wildcard_constraints:
         purpose="fit|eval",
     conda:
@@ -43,7 +43,7 @@ rule fit_projection:
     log:
         paths.log("dimpo", "fit_{model}_{objective}_d{d_prime}"),
     benchmark:
-        paths.bench("dimpo", "fit_{model}_{objective}_d{d_prime}")
+        paths.bench("fit_projection", "fit_{model}_{objective}_d{d_prime}")
     wildcard_constraints:
         d_prime=r"\d+",
     conda:

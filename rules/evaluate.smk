@@ -16,7 +16,7 @@ rule score_text:
     log:
         paths.log("evaluate", "score_{run}"),
     benchmark:
-        paths.bench("evaluate", "score_{run}")
+        paths.bench("score_text", "score_{run}")
     wildcard_constraints:
         run=one_of(PLAN.lm_eval_runs),
     conda:
@@ -44,7 +44,7 @@ rule perplexity:
     log:
         paths.log("evaluate", "perplexity_{run}"),
     benchmark:
-        paths.bench("evaluate", "perplexity_{run}")
+        paths.bench("perplexity", "perplexity_{run}")
     wildcard_constraints:
         run=one_of([r for r in PLAN.text_runs if r not in PLAN.lm_eval_runs]),
     conda:
@@ -71,7 +71,7 @@ rule recall:
     log:
         paths.log("evaluate", "recall_{run}_{dataset}"),
     benchmark:
-        paths.bench("evaluate", "recall_{run}_{dataset}")
+        paths.bench("recall", "recall_{run}_{dataset}")
     wildcard_constraints:
         dataset=one_of(PLAN.synthetic_datasets),
     conda:
@@ -99,7 +99,7 @@ rule write_lm_eval_data:
     log:
         paths.log("evaluate", "write_lm_eval_data"),
     benchmark:
-        paths.bench("evaluate", "write_lm_eval_data")
+        paths.bench("write_lm_eval_data", "write_lm_eval_data")
     conda:
         "../envs/lm_eval.yaml"
     threads: 1

@@ -25,7 +25,7 @@ rule summarize_perplexity:
     log:
         paths.log("report", "summarize_perplexity"),
     benchmark:
-        paths.bench("report", "summarize_perplexity")
+        paths.bench("summarize_perplexity", "summarize_perplexity")
     conda:
         "../envs/report.yaml"
     threads: 1
@@ -44,7 +44,7 @@ rule summarize_trajectory:
     log:
         paths.log("report", "summarize_trajectory"),
     benchmark:
-        paths.bench("report", "summarize_trajectory")
+        paths.bench("summarize_trajectory", "summarize_trajectory")
     conda:
         "../envs/report.yaml"
     threads: 1
@@ -65,7 +65,7 @@ rule summarize_lm_eval:
     log:
         paths.log("report", "summarize_lm_eval"),
     benchmark:
-        paths.bench("report", "summarize_lm_eval")
+        paths.bench("summarize_lm_eval", "summarize_lm_eval")
     conda:
         "../envs/report.yaml"
     threads: 1
@@ -85,7 +85,7 @@ rule summarize_recall:
     log:
         paths.log("report", "summarize_recall"),
     benchmark:
-        paths.bench("report", "summarize_recall")
+        paths.bench("summarize_recall", "summarize_recall")
     conda:
         "../envs/report.yaml"
     threads: 1
@@ -104,7 +104,7 @@ rule summarize_fidelity:
     log:
         paths.log("report", "summarize_fidelity"),
     benchmark:
-        paths.bench("report", "summarize_fidelity")
+        paths.bench("summarize_fidelity", "summarize_fidelity")
     conda:
         "../envs/report.yaml"
     threads: 1
@@ -137,7 +137,7 @@ for category, names in outputs.by_category(REPORTED).items():
         log:
             paths.log("report", f"render_{slug}"),
         benchmark:
-            paths.bench("report", f"render_{slug}")
+            paths.bench(f"render_{slug}", f"render_{slug}")
         conda:
             "../envs/report.yaml"
         threads: 1

