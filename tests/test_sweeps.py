@@ -51,9 +51,12 @@ def test_default_plan():
 
 
 def test_schema_defaults_fill_every_section():
-    config = sweeps.validate({k: v for k, v in DEFAULT.items() if k != "dimpo"})
+    bare = {k: v for k, v in DEFAULT.items() if k != "dimpo"}
+    bare["evaluation"] = {"perplexity": {"datasets": ["shakespeare"]}}
+    config = sweeps.validate(bare)
     assert config["dimpo"]["models"] == [] and config["dimpo"]["resources"]["mem_mb"] == 8000
     assert config["evaluation"]["perplexity"]["max_tokens"] is None
+    assert config["evaluation"]["lm_eval"]["tasks"] == [] and config["evaluation"]["recall"]["batch_size"] == 32
     assert config["pretraining"]["scales"]["tiny"]["training"]["weight_decay"] == 0.1
     assert config["datasets"]["shakespeare"]["min_tokens"] == 0
     assert "streaming" not in config["datasets"]["shakespeare"]  # a huggingface default stays there
