@@ -126,7 +126,7 @@ def bench_training(args) -> None:
 
             def step(model=model, optimizer=optimizer, precision=precision):
                 with _autocast("cpu", precision):
-                    loss = model(x, labels=x).loss
+                    loss = model(x, labels=x, return_logits=False).loss  # as training.py asks
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 optimizer.step()
