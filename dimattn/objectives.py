@@ -1,222 +1,385 @@
-"""Training objectives for a low-dimensional query/key projection W (seed 003, sections 3.1-3.2).
+"""Training objectives for a low-dimensional query/key projection F(x) = W x + b (seed 003).
 
-A training instance is one query with its causal key list. For a batch of N instances padded to
-L keys every loss reads the same three tensors:
+Every objective of the paper's Table 1 and Table 6 and Appendix B, written from the equations
+of seed 003 with the constants of the authors' code (github.com/lanzv/dimpo, files
+``src/models/dimpo_loss.py``, ``dimpo_kl.py``, ``lowdim_modules.py``, ``run_projection_experiment.py``).
 
-- ``s``    (N, L) projected logits s_j = q'.k'_j / sqrt(d'), with q' = W q and k'_j = W k_j;
-- ``psi``  (N, L) original attention weights Softmax(q K^T / sqrt(d)), 0 at padding;
-- ``mask`` (N, L) bool, True at valid (causal, non-padded) keys. Every row needs >= 1 valid key.
+Inputs. A *list* objective (kl, dimpo, dimpo_list, dimpo_kl) reads, for N instances padded to L keys,
 
-pi_theta = Softmax(s) over the valid keys is the projected attention of the paper.
+- ``logits`` (N, L) projected logits F(q).F(k_j) * scale (scale 1/sqrt(d') in training). A
+  per-query constant may be dropped: every list loss reads the logits only through
+  p = Softmax(logits) over the valid keys (pi_theta of the paper);
+- ``psi``    (N, L) original attention weights Softmax(q K^T / sqrt(d)), 0 at padding;
+- ``mask``   (N, L) bool, True at valid keys. Every row needs >= 1 valid key.
 
-Definitions the paper leaves open (seed 003, Eq. L_list):
+A *pair* objective (simpo, orpo, cpo) reads the scaled logits ``s_w``, ``s_l`` (P,) of the
+chosen and the rejected key of P pairs; a *triplet* objective reads the projected vectors
+F(q), F(k_w), F(k_l) (P, d'). Pairs come from :func:`select_pairs`.
 
-- ``s_i`` is the projected logit of key i. It equals log pi_theta(k_i | q) up to the per-query
-  normaliser log sum_j exp(s_j), which cancels in s_i - s_j, so the listwise loss is the same
-  whether written with logits or log-probabilities.
-- ``Delta_ij = psi_i - psi_j`` (LambdaRank style): a pair whose original weights differ more
-  counts more, and a pair of near-ties barely counts. Because the sum runs over psi_i > psi_j,
-  Delta_ij * [psi_i > psi_j] = relu(psi_i - psi_j), which is how the code writes it.
-- ``gamma`` is a fixed margin: the preferred key should win by at least gamma nats.
-  Default 0, the plain pairwise logistic (RankNet) loss.
-- Each instance's sum is divided by its sum of Delta_ij over the same pairs, so the loss is a
-  Delta-weighted mean of pairwise logistic losses whose scale does not grow with L^2; the batch
-  loss is the mean over instances (an instance without any pair contributes 0).
-- ``max_preferred = m`` keeps only pairs whose preferred key i is among the top-m keys by psi
-  (all its dispreferred partners j stay): O(N m L) instead of O(N L^2), needed at L = 4096.
-  The pairs dropped have Delta_ij <= psi_i <= the m-th largest psi, so they weigh little.
+Definitions (the authors' code; the paper leaves them open):
 
-L_list reads s only through differences s_i - s_j and keeps falling as they grow, so nothing
-in it stops pi_theta from becoming sharper than psi: trained alone it inflates ||W|| and the
-KL to psi rises with training. The head term (k > 0, lam > 0) pins the temperature, since
--sum_top-k psi_i log p_i grows again once p puts all mass on the very top keys.
+- DimPO's listwise term, with s_i = beta log max(p_i, 1e-8):
+  L_list = sum_{psi_i > psi_j} Delta_ij softplus(-(s_i - s_j - gamma)) / Z, averaged over
+  instances. ``delta="lambda"`` is LiPO's lambda weight Delta_ij = |G_i - G_j| |1/D(tau_i) -
+  1/D(tau_j)|, G = 2^psi - 1, D(tau) = ln(1 + tau), tau the rank by psi (1 = largest; ties broken
+  by key order); ``delta="difference"`` is psi_i - psi_j. ``normalise="pairs"``: Z = the number
+  of pairs with psi_i > psi_j (at least 1; the authors'); ``normalise="delta"``: Z = sum of
+  Delta_ij over them. With 4,096 keys and the authors' choices the term is ~1e-6 of the head term.
+  ``max_preferred = m`` keeps only pairs whose preferred key is among the top-m by psi.
+- L_head = -sum_{top-k keys by psi} psi_i log p_i, psi not renormalised, p over the full list.
+- KL(psi || p) with psi clamped below at 1e-6 (not renormalised), averaged over instances.
+- Pairwise: p_w, p_l from a 2-way softmax of (s_w, s_l), clamped to [1e-6, 1 - 1e-6].
 
-Registry: ``OBJECTIVES`` maps a name to an :class:`Objective`. A gradient objective carries a
-``loss(s, psi, mask, **hparams)`` and the names of the hyperparameters it reads; a closed-form
-objective carries ``fit(queries, keys, d_prime, seed) -> W``. A pairwise objective (triplet,
-CPO, SimPO, ORPO) is one more entry whose loss picks its chosen/rejected keys from ``psi``.
-
-Closed-form choices: ``random`` is a Gaussian matrix with orthonormalised rows (fixed seed);
-``pca`` takes the top-d' eigenvectors of the *uncentered* second moment
-E[q q^T] + E[k k^T] of the layer's captured queries and keys (each set averaged on its own, so
-grouped-query attention's extra query heads do not outweigh the keys). Uncentered, because W is
-applied to the raw vectors (q' = W q, no mean subtracted): this W is the best rank-d' subspace
-for reconstructing the vectors whose dot products the attention actually uses.
+Memory: the pair terms of L_list are formed in blocks of at most ``PAIR_CHUNK_ELEMENTS`` pairs
+(instances x preferred rows x keys), never one L x L tensor per instance, and the forward pass
+also forms the gradient, so backward keeps only (N, L) tensors.
 """
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-# Pair tensors (instances x preferred x keys) are built at most this many elements at a time.
+# Pair terms of the listwise loss are built at most this many at a time.
 PAIR_CHUNK_ELEMENTS = 1 << 22
+LIST_EPS = 1e-8  # s_i = beta log max(p_i, LIST_EPS) (DimPOLoss eps)
+PROB_EPS = 1e-6  # psi floor of the KL objective; clamp of the pairwise p_w, p_l (EPSILON_FOR_LOGARITHMS)
+
+# ---- list objectives -------------------------------------------------------------------------
 
 
-def _masked_log_softmax(s, mask):
-    return torch.log_softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+def _masked_log_softmax(logits, mask):
+    return torch.log_softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
 
 
-def kl_loss(s, psi, mask):
-    """Mean over instances of KL(psi || pi_theta) = sum_j psi_j (log psi_j - log pi_j)."""
-    log_pi = _masked_log_softmax(s, mask).masked_fill(~mask, 0.0)
-    live = mask & (psi > 0)
-    log_psi = torch.where(live, psi, torch.ones_like(psi)).log()
-    return torch.where(live, psi * (log_psi - log_pi), torch.zeros_like(psi)).sum(-1).mean()
+def kl_loss(logits, psi, mask):
+    """Mean over instances of sum_j c_j (log c_j - log p_j), c = max(psi, 1e-6), valid keys only."""
+    mask = mask.bool()
+    log_p = _masked_log_softmax(logits, mask).masked_fill(~mask, 0.0)
+    c = psi.detach().clamp(min=PROB_EPS)
+    return torch.where(mask, c * (c.log() - log_p), torch.zeros_like(c)).sum(-1).mean()
 
 
 class _ListwiseFunction(torch.autograd.Function):
-    """Per-instance L_list (N,) of preferred keys s_i (N, m) against all keys s (N, L).
+    """Per-instance L_list (N,) from s (N, L) sorted by psi descending.
 
-    The (instances x m x L) pair tensors are built once, a chunk of instances at a time, and the
-    forward pass also forms the gradient, w_ij = Delta_ij sigmoid(gamma - s_i + s_j) / sum Delta:
-    d/ds_i = -sum_j w_ij, d/ds_j = +sum_i w_ij. Backward then needs only (N, m) and (N, L).
+    ``pref`` / ``disp``: psi as the preferred / dispreferred key (padding -1 / 2, so it is never
+    in a pair); ``gain``, ``disc``: Delta_ij = (gain_i - gain_j)(disc_i - disc_j) on a pair
+    (``disc`` None: 1). Rows i < m only. Sorted, a pair i, j has j > i, so a block of rows
+    [i0, i1) needs only the columns after i0. The gradient is formed here:
+    w_ij = Delta_ij sigmoid(s_j - s_i + gamma) / Z, d/ds_i = -sum_j w_ij, d/ds_j = +sum_i w_ij.
     """
 
     @staticmethod
-    def forward(ctx, s_i, s, psi_i, psi, mask, gamma):
-        need_grad = any(ctx.needs_input_grad[:2])
-        n, m, length = s.shape[0], s_i.shape[1], s.shape[1]
-        # As the dispreferred key j, padding gets psi = 2 > any psi_i, so Delta_ij = 0 there.
-        psi_j = psi.masked_fill(~mask, 2.0)
-        s_i = s_i - gamma
-        loss = s.new_zeros(n)
-        grad_i, grad_j = (torch.zeros_like(s_i), torch.zeros_like(s)) if need_grad else (None, None)
-        per_chunk = max(1, PAIR_CHUNK_ELEMENTS // max(1, m * length))
-        for c in torch.arange(n, device=s.device).split(per_chunk):
-            delta = (psi_i[c, :, None] - psi_j[c, None, :]).clamp_(
-                min=0
-            )  # (c, m, L): Delta_ij [psi_i > psi_j]
-            den = delta.sum((1, 2))
-            inv = torch.where(den > 0, 1 / den.clamp(min=torch.finfo(den.dtype).tiny), 0.0)
-            x = s[c, None, :] - s_i[c, :, None]  # -(s_i - s_j - gamma)
-            # Below -40 a term is < 1e-17; clamping avoids float32 denormals (10x slower on CPU).
-            x.clamp_(min=-40.0)
-            loss[c] = F.softplus(x).mul_(delta).sum((1, 2)) * inv
-            if need_grad:
+    def forward(ctx, s, pref, disp, gain, disc, m, gamma, count_pairs):
+        n, length = s.shape
+        num, norm = s.new_zeros(n), s.new_zeros(n)
+        grad = torch.zeros_like(s)
+        budget = max(PAIR_CHUNK_ELEMENTS, length)
+        if m * length <= budget:
+            inst_step, row_step = max(1, budget // (m * length)), m
+        else:
+            inst_step, row_step = 1, max(1, budget // length)
+        for c in torch.arange(n, device=s.device).split(inst_step):
+            for i0 in range(0, m, row_step):
+                i1, cols = min(i0 + row_step, m), slice(i0 + 1, length)
+                if i0 + 1 >= length:
+                    continue
+                valid = pref[c, i0:i1, None] > disp[c, None, cols]  # (c, r, L')
+                delta = (gain[c, i0:i1, None] - gain[c, None, cols]) * valid
+                if disc is not None:
+                    delta.mul_(disc[c, i0:i1, None] - disc[c, None, cols])
+                x = s[c, None, cols] - s[c, i0:i1, None] + gamma  # -(s_i - s_j - gamma)
+                # Below -40 a term is < 1e-17; clamping avoids float32 denormals (10x slower on CPU).
+                x.clamp_(min=-40.0)
+                num[c] += F.softplus(x).mul_(delta).sum((1, 2))
+                norm[c] += valid.sum((1, 2)).to(s.dtype) if count_pairs else delta.sum((1, 2))
                 w = x.sigmoid_().mul_(delta)
-                grad_i[c], grad_j[c] = -w.sum(2) * inv[:, None], w.sum(1) * inv[:, None]
-        ctx.save_for_backward(grad_i, grad_j)
-        return loss
+                grad[c, i0:i1] -= w.sum(2)
+                grad[c, cols] += w.sum(1)
+        if count_pairs:
+            inv = 1.0 / norm.clamp(min=1.0)
+        else:
+            inv = torch.where(norm > 0, 1.0 / norm.clamp(min=torch.finfo(s.dtype).tiny), 0.0)
+        ctx.save_for_backward(grad * inv[:, None])
+        return num * inv
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_i, grad_j = ctx.saved_tensors
-        return grad_i * grad_loss[:, None], grad_j * grad_loss[:, None], None, None, None, None
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss[:, None], None, None, None, None, None, None, None
 
 
-def listwise_loss(s, psi, mask, gamma: float = 0.0, max_preferred: int | None = None):
-    """L_list of seed 003: sum_{psi_i > psi_j} Delta_ij log(1 + exp(-(s_i - s_j - gamma))).
+def listwise_scores(logits, mask, beta: float = 1.0, eps: float = LIST_EPS):
+    """s = beta log max(p, eps), p = Softmax(logits) over the valid keys; 0 at padding."""
+    log_p = _masked_log_softmax(logits, mask)
+    if eps > 0:
+        log_p = log_p.clamp(min=math.log(eps))
+    return torch.where(mask, beta * log_p, torch.zeros_like(log_p))
 
-    Per instance normalised by sum Delta_ij, then averaged over instances; see the module
-    docstring for the definitions of s_i, Delta_ij, gamma and ``max_preferred``. Memory is
-    bounded by PAIR_CHUNK_ELEMENTS pair terms at a time.
-    """
+
+def listwise_loss(
+    logits,
+    psi,
+    mask,
+    beta: float = 1.0,
+    gamma: float = 1e-4,
+    delta: str = "lambda",
+    normalise: str = "pairs",
+    max_preferred: int | None = None,
+):
+    """L_list of seed 003 as the authors compute it (module docstring), mean over instances."""
+    if delta not in ("lambda", "difference") or normalise not in ("pairs", "delta"):
+        raise ValueError(f"delta={delta!r} must be lambda|difference, normalise={normalise!r} pairs|delta")
     mask = mask.bool()
-    psi = (psi * mask).detach()  # padding must carry psi = 0 so that it is never preferred
-    s = torch.where(mask, s, torch.zeros_like(s))  # finite everywhere: padded s may be -inf
-    if max_preferred is None or max_preferred >= s.shape[1]:
-        s_i, psi_i = s, psi
+    psi = psi.detach()
+    s = listwise_scores(logits, mask, beta)
+    pref = psi.masked_fill(~mask, -1.0)
+    order = pref.argsort(dim=-1, descending=True, stable=True)  # padding last
+    s, pref = s.gather(-1, order), pref.gather(-1, order)
+    disp = psi.masked_fill(~mask, 2.0).gather(-1, order)
+    psi_sorted = psi.gather(-1, order)
+    length = s.shape[-1]
+    if delta == "lambda":
+        rank = torch.arange(1, length + 1, device=s.device, dtype=s.dtype)
+        gain, disc = torch.pow(2.0, psi_sorted) - 1.0, (1.0 / torch.log1p(rank)).expand_as(s)
     else:
-        top = psi.topk(max_preferred, dim=-1).indices  # (N, m); padded picks have psi 0
-        s_i, psi_i = s.gather(-1, top), psi.gather(-1, top)
-    return _ListwiseFunction.apply(s_i, s, psi_i, psi, mask, float(gamma)).mean()
+        gain, disc = psi_sorted, None
+    m = length if max_preferred is None else max(1, min(int(max_preferred), length))
+    per_instance = _ListwiseFunction.apply(s, pref, disp, gain, disc, m, float(gamma), normalise == "pairs")
+    return per_instance.mean()
 
 
-def head_loss(s, psi, mask, k: int = 0):
-    """L_head = -sum_{i in top-k keys by psi} psi_i log p_i, p = pi_theta over all valid keys.
+def head_loss(logits, psi, mask, k: int = 64):
+    """L_head = -sum_{i in top-k keys by psi} psi_i log p_i, p over all valid keys; mean over instances.
 
-    Averaged over instances; k = 0 gives 0 (still connected to ``s`` for autograd).
+    k = 0 gives 0 (still connected to ``logits`` for autograd).
     """
     mask = mask.bool()
     if k <= 0:
-        return torch.where(mask, s, torch.zeros_like(s)).sum() * 0.0
-    psi = psi * mask
-    log_p = _masked_log_softmax(s, mask).masked_fill(~mask, 0.0)
+        return torch.where(mask, logits, torch.zeros_like(logits)).sum() * 0.0
+    psi = psi.detach() * mask
+    log_p = _masked_log_softmax(logits, mask).masked_fill(~mask, 0.0)
     top = psi.topk(min(k, psi.shape[-1]), dim=-1).indices  # padded picks have psi 0
     return -(psi.gather(-1, top) * log_p.gather(-1, top)).sum(-1).mean()
 
 
-def dimpo_loss(s, psi, mask, gamma: float = 0.0, k: int = 0, lam: float = 0.0, max_preferred=None):
-    """DimPO = L_list + lambda L_head (seed 003, section 3.2)."""
-    loss = listwise_loss(s, psi, mask, gamma=gamma, max_preferred=max_preferred)
-    if lam and k > 0:
-        loss = loss + lam * head_loss(s, psi, mask, k=k)
+def dimpo_loss(logits, psi, mask, beta=1.0, gamma=1e-4, k=64, lam=1.0, delta="lambda", normalise="pairs",
+               max_preferred=None):
+    """DimPO = L_list + lambda L_head (seed 003, section 3.2); k = 0 or lambda = 0 drops the head."""
+    loss = listwise_loss(logits, psi, mask, beta, gamma, delta, normalise, max_preferred)
+    if k > 0 and lam != 0:
+        loss = loss + lam * head_loss(logits, psi, mask, k)
     return loss
 
 
-def random_projection(d: int, d_prime: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
-    """(d', d) Gaussian matrix with orthonormal rows (the paper's Rand baseline)."""
+def dimpo_kl_loss(logits, psi, mask, beta=1.0, gamma=1e-4, kl_weight=1.0, delta="lambda", normalise="pairs",
+                  max_preferred=None):
+    """DimPO (k = 0) + KL of Table 6: L_list + kl_weight KL(psi || p)."""
+    loss = listwise_loss(logits, psi, mask, beta, gamma, delta, normalise, max_preferred)
+    return loss + kl_weight * kl_loss(logits, psi, mask)
+
+
+# ---- pairwise objectives ------------------------------------------------------------------------
+
+
+def _pair_probs(s_w, s_l):
+    probs = torch.softmax(torch.stack([s_w, s_l], dim=-1), dim=-1)
+    return probs[..., 0].clamp(PROB_EPS, 1 - PROB_EPS), probs[..., 1].clamp(PROB_EPS, 1 - PROB_EPS)
+
+
+def simpo_loss(s_w, s_l, beta: float = 1.0, gamma: float = 1.0):
+    """SimPO: mean of -log sigmoid(beta (log p_w - log p_l) - gamma)."""
+    p_w, p_l = _pair_probs(s_w, s_l)
+    return -F.logsigmoid(beta * (p_w.log() - p_l.log()) - gamma).mean()
+
+
+def orpo_loss(s_w, s_l, lam: float = 0.1):
+    """ORPO: mean of -log p_w - lambda log sigmoid(logodds(p_w) - logodds(p_l))."""
+    p_w, p_l = _pair_probs(s_w, s_l)
+    odds = (p_w / (1 - p_w)).log() - (p_l / (1 - p_l)).log()
+    return (-p_w.log() - lam * F.logsigmoid(odds)).mean()
+
+
+def cpo_loss(s_w, s_l, beta: float = 1.0, lam: float = 0.1):
+    """CPO: mean of -log max(beta (log p_w - log p_l), 1e-6) - lambda log p_w."""
+    p_w, p_l = _pair_probs(s_w, s_l)
+    return (-(beta * (p_w.log() - p_l.log())).clamp(min=PROB_EPS).log() - lam * p_w.log()).mean()
+
+
+def triplet_loss(anchor, positive, negative, margin: float = 0.1):
+    """Mongoose's triplet loss: torch's TripletMarginLoss (Euclidean, eps 1e-6, mean)."""
+    return F.triplet_margin_loss(anchor, positive, negative, margin=margin, p=2)
+
+
+# ---- pair selection (section 3.3 and Appendix B) ------------------------------------------------
+
+PAIR_MODES = ("extreme", "all", "halves", "distance")
+
+
+def select_pairs(scores, mask, mode: str = "extreme", *, generator=None, num_pairs: int = 1, distance: int = 1):
+    """(row, chosen, rejected) long tensors: pairs of key columns of ``scores`` (N, L), raw q.k.
+
+    - ``extreme``: one pair a row, chosen = argmax, rejected = argmin over the valid keys
+      (the main tables, after Mongoose);
+    - ``all``: every pair (a, b), a ranked above b, of the row's keys (Appendix B "all key
+      pairs", where each row holds n sampled keys);
+    - ``halves``: ``num_pairs`` pairs a row, chosen ranks drawn without replacement from the top
+      half (L // 2 ranks), rejected from the bottom half, the t-th chosen with the t-th rejected
+      (Appendix B "multiple distinct pairs"; no key used twice);
+    - ``distance``: one pair a row, chosen rank uniform in [0, L - g), rejected rank + g,
+      g = min(distance, L - 1) (Appendix B "level of key diversity").
+
+    All modes but ``extreme`` need every key valid (the authors' Appendix B lists are non-causal).
+    Draws use ``generator`` (CPU).
+    """
+    n, length = scores.shape
+    mask = mask.bool()
+    device = scores.device
+    if mode == "extreme":
+        rows = torch.arange(n, device=device)
+        chosen = scores.masked_fill(~mask, float("-inf")).argmax(-1)
+        rejected = scores.masked_fill(~mask, float("inf")).argmin(-1)
+        return rows, chosen, rejected
+    if mode not in PAIR_MODES:
+        raise ValueError(f"pair mode {mode!r} not in {PAIR_MODES}")
+    if not bool(mask.all()):
+        raise ValueError(f"pair mode {mode!r} needs full (non-causal) key lists")
+    order = scores.argsort(dim=-1, descending=True, stable=True)  # rank -> column
+    if mode == "all":
+        a, b = torch.triu_indices(length, length, offset=1, device=device)
+        rows = torch.arange(n, device=device).repeat_interleave(len(a))
+        ranks_w, ranks_l = a.repeat(n), b.repeat(n)
+    elif mode == "halves":
+        top = length // 2
+        if not 0 < num_pairs <= top:
+            raise ValueError(f"num_pairs={num_pairs} must be in 1..{top} for {length} keys")
+        ranks_w = torch.rand(n, top, generator=generator).argsort(-1)[:, :num_pairs]
+        ranks_l = torch.rand(n, length - top, generator=generator).argsort(-1)[:, :num_pairs] + top
+        rows = torch.arange(n).repeat_interleave(num_pairs).to(device)
+        ranks_w, ranks_l = ranks_w.reshape(-1).to(device), ranks_l.reshape(-1).to(device)
+    else:
+        gap = min(int(distance), length - 1)
+        if gap < 1:
+            raise ValueError(f"distance={distance} needs >= 2 keys")
+        ranks_w = torch.randint(0, length - gap, (n,), generator=generator).to(device)
+        ranks_l, rows = ranks_w + gap, torch.arange(n, device=device)
+    return rows, order[rows, ranks_w], order[rows, ranks_l]
+
+
+# ---- closed-form projections ---------------------------------------------------------------------
+
+
+def random_projection(d: int, d_prime: int, generator=None, dtype=torch.float32):
+    """(W, None): W = R^T for R ~ N(0, 1)^{d x d'}, unscaled, no bias (the authors' Rand).
+
+    The authors draw R unseeded; here ``generator`` (CPU) makes it reproducible, same law.
+    """
     if not 0 < d_prime <= d:
         raise ValueError(f"d_prime={d_prime} must satisfy 0 < d_prime <= d={d}")
-    g = torch.Generator().manual_seed(seed)
-    gauss = torch.randn(d, d_prime, generator=g, dtype=torch.float64)
-    q, r = torch.linalg.qr(gauss)  # q: (d, d') orthonormal columns
-    q = q * torch.sign(torch.diagonal(r))  # unique QR: same seed, same W on every platform
-    return q.T.contiguous().to(dtype)
+    return torch.randn(d, d_prime, generator=generator, dtype=dtype).T.contiguous(), None
 
 
-def pca_projection(queries: torch.Tensor, keys: torch.Tensor, d_prime: int) -> torch.Tensor:
-    """(d', d) top-d' eigenvectors of E[q q^T] + E[k k^T], uncentered (see module docstring).
+def pca_projection(queries, keys, d_prime: int, center: bool = True):
+    """(W, b): the top-d' principal directions of the pooled rows of ``queries`` and ``keys``.
 
-    ``queries`` (n, d) and ``keys`` (m, d) are the raw (post-RoPE) vectors of one layer; W has
-    the dtype of ``queries``.
+    ``center`` (sklearn's PCA, the authors'): x -> V (x - mu), so W = V and b = -V mu, V the
+    top eigenvectors of the covariance of the pooled vectors. Uncentred: eigenvectors of the
+    second moment, b = None. Rows are pooled as given (the authors: the queries of all heads at
+    the sampled positions and every key of every key/value head). W has the dtype of ``queries``.
     """
     d = queries.shape[-1]
     if not 0 < d_prime <= d:
         raise ValueError(f"d_prime={d_prime} must satisfy 0 < d_prime <= d={d}")
+    parts = [queries.reshape(-1, d), keys.reshape(-1, d)]
+    count = sum(len(p) for p in parts)
+    total = sum(p.sum(0, dtype=torch.float64) for p in parts)
+    mu = total / count if center else torch.zeros(d, dtype=torch.float64, device=queries.device)
     moment = torch.zeros(d, d, dtype=torch.float64, device=queries.device)
-    for x in (queries, keys):
-        x = x.reshape(-1, d)
+    for x in parts:
         for part in x.split(1 << 18):  # bounded float64 copies at paper scale
-            part = part.double()
-            moment += part.T @ part / x.shape[0]
-    _, vectors = torch.linalg.eigh(moment)  # ascending eigenvalues
+            part = part.double() - mu
+            moment += part.T @ part
+    _, vectors = torch.linalg.eigh(moment / count)  # ascending eigenvalues
     w = vectors[:, -d_prime:].flip(-1).T  # (d', d), leading direction first
     # Fix each row's sign (largest entry positive) so the result is reproducible.
     w = w * torch.sign(w.gather(1, w.abs().argmax(1, keepdim=True)))
-    return w.contiguous().to(queries.dtype)
+    bias = -(w @ mu) if center else None
+    dtype = queries.dtype
+    return w.contiguous().to(dtype), None if bias is None else bias.to(dtype)
+
+
+# ---- registry -----------------------------------------------------------------------------------
+
+KINDS = ("closed", "list", "pair", "triplet")
 
 
 @dataclass(frozen=True)
 class Objective:
-    """One entry of :data:`OBJECTIVES`: either a gradient ``loss`` or a closed-form ``fit``.
+    """One entry of :data:`OBJECTIVES`.
 
-    ``hparams`` names the keyword arguments of ``loss`` that come from the fit hyperparameters.
+    ``kind``: closed (a ``fit``), list, pair or triplet (a ``loss``). ``hparams``: keyword
+    arguments of ``loss`` read from the fit settings. ``defaults``: the authors' per-objective
+    settings (run_projection_experiment.py), applied over a preset and under explicit hparams.
     """
 
     name: str
+    kind: str
     loss: Callable[..., torch.Tensor] | None = None
     hparams: tuple[str, ...] = ()
-    fit: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor] | None = None
+    defaults: tuple[tuple[str, object], ...] = ()
+    fit: Callable | None = None
 
     @property
     def trained(self) -> bool:
         return self.loss is not None
 
-    def __call__(self, s, psi, mask, hparams=None):
-        """The loss of a gradient objective on one batch, reading its hyperparameters."""
+    def __call__(self, *tensors, hparams=None):
+        """The loss on one batch; hyperparameters from ``hparams`` (mapping or settings object),
+        else this objective's defaults, else the loss function's own defaults."""
         if self.loss is None:
             raise TypeError(f"objective {self.name!r} is closed-form and has no loss")
-        hparams = hparams or {}
-        get = hparams.get if isinstance(hparams, Mapping) else lambda n: getattr(hparams, n)
-        return self.loss(s, psi, mask, **{n: get(n) for n in self.hparams})
+        values = dict(self.defaults)
+        if isinstance(hparams, Mapping):
+            values.update(hparams)
+        elif hparams is not None:
+            values.update({n: getattr(hparams, n) for n in self.hparams if hasattr(hparams, n)})
+        return self.loss(*tensors, **{n: values[n] for n in self.hparams if n in values})
 
 
-def _fit_random(queries, keys, d_prime, seed):
-    return random_projection(queries.shape[-1], d_prime, seed, dtype=queries.dtype)
+_LIST = ("beta", "gamma", "delta", "normalise", "max_preferred")
+_DIMPO = dict(lr=1e-4, batch_size=1, beta=1.0, gamma=1e-4)
 
 
-def _fit_pca(queries, keys, d_prime, seed):
-    return pca_projection(queries, keys, d_prime)
+def _fit_random(queries, keys, d_prime, *, generator=None, center=True):
+    return random_projection(queries.shape[-1], d_prime, generator, dtype=queries.dtype)
+
+
+def _fit_pca(queries, keys, d_prime, *, generator=None, center=True):
+    return pca_projection(queries, keys, d_prime, center)
+
+
+def _objective(name, kind, loss=None, hparams=(), fit=None, **defaults):
+    return Objective(name, kind, loss, tuple(hparams), tuple(defaults.items()), fit)
 
 
 OBJECTIVES: dict[str, Objective] = {
-    "random": Objective("random", fit=_fit_random),
-    "pca": Objective("pca", fit=_fit_pca),
-    "kl": Objective("kl", loss=kl_loss),
-    "dimpo": Objective("dimpo", loss=dimpo_loss, hparams=("gamma", "k", "lam", "max_preferred")),
+    o.name: o
+    for o in [
+        _objective("random", "closed", fit=_fit_random),
+        _objective("pca", "closed", fit=_fit_pca),
+        _objective("triplet", "triplet", triplet_loss, ("margin",), lr=1e-4, batch_size=32, margin=0.1),
+        _objective("cpo", "pair", cpo_loss, ("beta", "lam"), lr=1e-4, batch_size=32, beta=1.0, lam=0.1),
+        _objective("simpo", "pair", simpo_loss, ("beta", "gamma"), lr=1e-3, batch_size=32, beta=1.0, gamma=1.0),
+        _objective("orpo", "pair", orpo_loss, ("lam",), lr=1e-3, batch_size=32, lam=0.1),
+        _objective("kl", "list", kl_loss, lr=1e-4, batch_size=1),
+        _objective("dimpo", "list", dimpo_loss, (*_LIST, "k", "lam"), **_DIMPO, k=64, lam=1.0),
+        # Table 1's "DimPO (k=0, lambda=0)": the listwise term alone.
+        _objective("dimpo_list", "list", dimpo_loss, (*_LIST, "k", "lam"), **_DIMPO, k=0, lam=0.0),
+        _objective("dimpo_kl", "list", dimpo_kl_loss, (*_LIST, "kl_weight"), **_DIMPO, kl_weight=1.0),
+    ]
 }
 
 

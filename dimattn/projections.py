@@ -1,20 +1,19 @@
-"""DimPO stage (seed 003): capture queries/keys/values, fit one projection W per layer, measure fidelity.
+"""DimPO stage (seed 003): capture queries/keys/values, fit one projection per layer, measure fidelity.
 
 Read top to bottom:
 
 1. ``capture_qkv`` runs a frozen causal LM once through a registered attention function that
    records post-RoPE queries, keys and values per layer, then hands over to transformers' SDPA.
 2. ``save_capture`` / ``load_capture`` store them as safetensors (``layer{l}.q`` ...).
-3. ``sample_instances`` draws training instances: one (sequence, head, query position) each,
-   with the causal key list of its key/value head and psi = Softmax(q K^T / sqrt(d)).
-4. ``fit_layer`` / ``fit_projections`` fit W in R^{d' x d}, shared by queries and keys
-   (Siamese, q' = W q, k' = W k) and by all heads of a layer; values are never projected.
-   Closed-form objectives (random, pca) are fitted directly; the others run Adam on their loss
-   from ``dimattn.objectives``, starting from the PCA solution (``init="pca"``) unless
-   ``init="random"``.
-5. ``attention_fidelity``: the paper's proxy metrics (section 4.1) over *all* query positions,
-   KL(psi || pi_theta) and the MSE between psi V and pi_theta V.
-6. ``capture_to_file``, ``fit_to_file``, ``fidelity_to_file``: the same steps file to file, one
+3. ``FitSettings`` and ``PRESETS``: every choice of a fit as a named field, with the authors'
+   value and ours; ``resolve_settings`` merges preset, objective defaults and config hparams.
+4. ``build_instances`` / ``build_pairs``: training instances, one (sequence, head, query
+   position) each with its key list, and for pairwise objectives the chosen/rejected pairs.
+5. ``fit_layer`` / ``fit_projections``: one affine map F(x) = W x + b per layer (``Affine``),
+   shared by queries and keys (Siamese) and by all heads; values are never projected.
+6. ``attention_fidelity``: the paper's proxy metrics (Appendix D, the authors'
+   attn_similarity.py): KL(psi || pi) and the MSE between psi V and pi V.
+7. ``capture_to_file``, ``fit_to_file``, ``fidelity_to_file``: the same steps file to file, one
    per workflow rule (rules/dimpo.smk).
 
 Shapes: a layer capture holds q (N, H, T, d), k and v (N, H_kv, T, d); query head h reads
@@ -27,6 +26,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, safe_open, save_file
@@ -36,8 +36,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .atomic import atomic_file
+from .objectives import get_objective, pca_projection, select_pairs
 from .settings import from_mapping
-from .objectives import OBJECTIVES, get_objective, pca_projection, random_projection
 
 CAPTURE_IMPLEMENTATION = "dimattn_capture"
 
@@ -164,23 +164,261 @@ def load_capture(path):
     return dict(sorted(capture.items())), _read_metadata(path)
 
 
-def save_projections(W_by_layer, path, meta: Mapping | None = None) -> None:
-    """Safetensors file with tensors ``layer{l}.W`` (d', d) and JSON-string metadata."""
-    first = W_by_layer[min(W_by_layer)]
+# ---- settings --------------------------------------------------------------------------------
+
+_CHOICES = {
+    "preset": ("authors", "ours"),
+    "capture_dtype": ("float32", "bfloat16"),
+    "pair_mode": ("extreme", "all", "halves", "distance"),
+    "delta": ("lambda", "difference"),
+    "normalise": ("pairs", "delta"),
+    "init": ("default", "pca"),
+    "pca_fit": ("all", "last"),
+    "train_scale": ("d_prime", "d"),
+    "inference_scale": ("d_prime", "d"),
+}
+
+
+@dataclass
+class FitSettings:
+    """Every choice of one DimPO-stage fit. Defaults: the ``ours`` preset with DimPO's values.
+
+    Sources for "authors": github.com/lanzv/dimpo (run_projection_experiment.py, src/models/
+    lowdim_modules.py, dimpo_loss.py, dimpo_kl.py, lowdim_trainer.py, lowdim_dataset.py,
+    attn_similarity.py). Values marked *per objective* come from ``Objective.defaults``
+    (dimattn.objectives), the same in both presets.
+    """
+
+    preset: str = "ours"
+    """Name of the preset these settings started from: "authors" or "ours"."""
+
+    # -- capture (read by capture_to_file) --
+    capture_dtype: str = "float32"
+    """dtype the frozen model runs in for the capture. Authors: float32 (from_pretrained
+    without a dtype). Ours: float32 (we used bfloat16 on GPUs before)."""
+    special_tokens: bool = False
+    """Tokenise with special tokens (BOS). Authors: False (encode(add_special_tokens=False)). Ours: False."""
+
+    # -- training instances --
+    causal: bool = False
+    """Key lists, psi and the fidelity metrics causal (keys <= the query position) or not.
+    Authors: False, every instance sees all 4,096 keys of its chapter, future ones included, in
+    training and in Table 1. Ours: False (faithful; the projection is still used causally)."""
+    query_stride: int | None = None
+    """Query positions 0, s, 2s, ... of every head and sequence; None: s = number of query heads
+    H. Authors: H (queries[:, :, ::H]: 32 x 128 x 10 = 40,960 instances a layer on
+    Llama-3.1-8B). Ours: H."""
+    n_instances: int | None = None
+    """Keep a uniform random subset of this many strided instances (None: all). Authors: None.
+    Ours: None (CPU configs set it)."""
+    num_sampled_keys: int | None = None
+    """Appendix B: each (sequence, key/value head) keeps this many random keys, psi renormalised
+    over them (the listwise term's and the pairwise objectives' "all key pairs" runs). Needs
+    causal False. Authors: None in the main tables. Ours: None."""
+    pair_mode: str = "extreme"
+    """Pairs of pairwise objectives (dimattn.objectives.select_pairs): extreme | all | halves |
+    distance. Authors: extreme (argmax / argmin of raw q.k). Ours: extreme."""
+    num_pairs: int = 1
+    """Pairs a query in pair_mode "halves". Authors: 1..64 in Appendix B. Ours: 1."""
+    pair_distance: int = 1
+    """Rank distance in pair_mode "distance". Authors: 1..127 in Appendix B. Ours: 1."""
+
+    # -- losses (per objective: see Objective.defaults) --
+    beta: float = 1.0
+    """DimPO s_i = beta log p_i; SimPO and CPO beta. Authors: 1. Ours: 1."""
+    gamma: float = 1e-4
+    """Margin. Authors (per objective): DimPO 1e-4, SimPO 1.0. Ours: the same."""
+    k: int = 64
+    """Top-k keys of DimPO's head term. Authors: 64 (dimpo), 0 (dimpo_list, dimpo_kl). Ours: the same."""
+    lam: float = 1.0
+    """Authors (per objective): DimPO's head weight 1, ORPO's and CPO's lambda 0.1. Ours: the same."""
+    kl_weight: float = 1.0
+    """Weight of KL in dimpo_kl. Authors: 1. Ours: 1."""
+    margin: float = 0.1
+    """Triplet margin. Authors: 0.1. Ours: 0.1."""
+    delta: str = "lambda"
+    """Delta_ij of L_list: "lambda" (LiPO's |G_i - G_j| |1/D(tau_i) - 1/D(tau_j)|) or
+    "difference" (psi_i - psi_j). Authors: lambda. Ours: lambda (we had difference before)."""
+    normalise: str = "pairs"
+    """L_list's per-instance divisor: "pairs" (the number of pairs psi_i > psi_j) or "delta"
+    (their sum of Delta). Authors: pairs, which makes L_list ~1e-6 of the head term at 4,096
+    keys (Adam still trains it alone). Ours: pairs (we had delta before)."""
+    max_preferred: int | None = None
+    """Keep only pairs whose preferred key is among the top-m by psi. Authors: None (every
+    pair). Ours: None (CPU configs may set it)."""
+
+    # -- the projection --
+    bias: bool = True
+    """F(x) = W x + b (nn.Linear) or W x. Authors: True. Ours: True (we had no bias before)."""
+    init: str = "default"
+    """Start of trained objectives: "default" (nn.Linear's U(-1/sqrt(d), 1/sqrt(d)) for W and
+    b) or "pca" (the pca objective's solution). Authors: default. Ours: default (we had pca)."""
+    pca_center: bool = True
+    """PCA centred (sklearn: x -> V (x - mu), so b = -V mu) or on the raw second moment.
+    Authors: True. Ours: True."""
+    pca_fit: str = "all"
+    """Data of the PCA fit: queries of all heads at the strided positions pooled with all keys,
+    of "all" sequences or only the "last". Authors: last (a quirk: PCA is refitted after every
+    chapter on that chapter's vectors only, so the final one has seen one chapter). Ours: all,
+    since discarding 9 of 10 chapters is a defect, not a choice."""
+    train_scale: str = "d_prime"
+    """Logit scale in training: "d_prime" (1/sqrt(d')) or "d" (1/sqrt(d)). Authors: d_prime.
+    Ours: d_prime. Table 1's metric code also scores with 1/sqrt(d')."""
+    inference_scale: str = "d_prime"
+    """Logit scale when the projection replaces attention in the model. Authors: d (their
+    attention wrapper keeps the model's 1/sqrt(d) on the projected q, k: logits sqrt(d / d')
+    too small relative to training, a mismatch). Ours: d_prime, the scale it was trained for.
+    fidelity_to_file(scale="inference") scores at this scale."""
+
+    # -- optimiser (Adam, no schedule) --
+    lr: float = 1e-4
+    """Adam learning rate. Authors (per objective): 1e-4 dimpo, dimpo_kl, kl, cpo, triplet; 1e-3
+    simpo, orpo. Ours: the same."""
+    batch_size: int = 1
+    """Instances (list objectives) or pairs a step. Authors: 1 list objectives, 32 pairwise.
+    Ours: the same."""
+    epochs: int = 1
+    """Passes over the instances or pairs. Authors: 1. Ours: 1."""
+    steps: int | None = None
+    """Exact number of steps (cycling epochs), overriding epochs. Authors: None. Ours: None."""
+    weight_decay: float = 0.0
+    """Adam weight decay. Authors: 0. Ours: 0."""
+    shuffle: bool = True
+    """Shuffle instances every epoch. Authors: False (chapter by chapter, head by head, position
+    by position; the last updates all come from one chapter's last head). Ours: True."""
+
+    # -- fidelity metric --
+    mse_head_chunk: int = 0
+    """0: attention-output MSE over all query heads. c > 0: only the last chunk of c heads, as
+    the authors' latest attn eval does (its loop over chunks of 4 heads keeps only the last
+    chunk for the MSE; the KL uses all heads). Authors: 4. Ours: 0."""
+
+    def __post_init__(self):
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        for name in ("query_stride", "n_instances", "num_sampled_keys", "max_preferred", "steps"):
+            value = getattr(self, name)
+            if value is not None and int(value) < 1:
+                raise ValueError(f"{name}={value!r} must be >= 1 or None")
+        if self.num_sampled_keys is not None and self.causal:
+            raise ValueError("num_sampled_keys needs causal=False (Appendix B lists are non-causal)")
+
+
+_COMMON = dict(
+    capture_dtype="float32", special_tokens=False, causal=False, query_stride=None, n_instances=None,
+    num_sampled_keys=None, pair_mode="extreme", num_pairs=1, pair_distance=1, delta="lambda",
+    normalise="pairs", max_preferred=None, bias=True, init="default", pca_center=True,
+    train_scale="d_prime", epochs=1, steps=None, weight_decay=0.0,
+)  # fmt: skip
+
+PRESETS: dict[str, dict] = {
+    "authors": {**_COMMON, "preset": "authors", "pca_fit": "last", "inference_scale": "d", "shuffle": False,
+                "mse_head_chunk": 4},
+    "ours": {**_COMMON, "preset": "ours", "pca_fit": "all", "inference_scale": "d_prime", "shuffle": True,
+             "mse_head_chunk": 0},
+}  # fmt: skip
+
+
+def resolve_settings(objective: str | None = None, hparams=None) -> FitSettings:
+    """Settings of one fit: preset < the objective's defaults < ``hparams`` < hparams["per_objective"][objective].
+
+    ``hparams`` may name ``preset`` (default "ours"), ``per_objective`` ({objective: {field:
+    value}}) and ``seed`` (ignored here); every other key must be a FitSettings field.
+    """
+    if isinstance(hparams, FitSettings):
+        return hparams
+    hp = dict(hparams or {})
+    hp.pop("seed", None)
+    per = dict(hp.pop("per_objective", None) or {})
+    preset = hp.pop("preset", "ours")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
+    for name in per:
+        get_objective(name)
+    values = dict(PRESETS[preset])
+    if objective is not None:
+        values.update(get_objective(objective).defaults)
+    values.update(hp)
+    if objective is not None:
+        values.update(per.get(objective) or {})
+    return from_mapping(FitSettings, values, "fit settings")
+
+
+# ---- projections ------------------------------------------------------------------------------
+
+
+class Affine(NamedTuple):
+    """F(x) = x W^T + b, W (d', d), b (d',) or None."""
+
+    W: torch.Tensor
+    b: torch.Tensor | None = None
+
+    def __call__(self, x):
+        y = x @ self.W.T
+        return y if self.b is None else y + self.b
+
+    def query_vector(self, q):
+        """u = W^T F(q): F(q).F(k) = u.k + F(q).b, and the last term is the same for every key."""
+        return self(q) @ self.W
+
+    def to(self, *args, **kwargs):
+        return Affine(self.W.to(*args, **kwargs), None if self.b is None else self.b.to(*args, **kwargs))
+
+
+def as_affine(projection) -> Affine:
+    """An :class:`Affine`, from an Affine or a bare W."""
+    return projection if isinstance(projection, Affine) else Affine(projection, None)
+
+
+def logit_scale(kind: str, d: int, d_prime: int) -> float:
+    """1/sqrt(d') for "d_prime", 1/sqrt(d) for "d"."""
+    if kind not in ("d_prime", "d"):
+        raise ValueError(f"scale {kind!r} must be 'd_prime' or 'd'")
+    return 1.0 / math.sqrt(d_prime if kind == "d_prime" else d)
+
+
+def projected_logits(projection, query, keys, scale: float | None = None):
+    """(B, L) F(q).F(k_j) * scale up to a per-query constant, as u.k_j with u = W^T F(q):
+    O(L d) per query. ``scale`` None: 1/sqrt(d')."""
+    proj = as_affine(projection).to(query.dtype)
+    scale = 1.0 / math.sqrt(proj.W.shape[0]) if scale is None else scale
+    return torch.einsum("bd,bld->bl", proj.query_vector(query), keys) * scale
+
+
+def save_projections(projections, path, meta: Mapping | None = None) -> None:
+    """Safetensors with ``layer{l}.W`` (d', d) and, with a bias, ``layer{l}.b``; JSON metadata."""
+    projections = {layer: as_affine(p) for layer, p in projections.items()}
+    first = projections[min(projections)]
     meta = {
         **(meta or {}),
-        "d_prime": first.shape[0],
-        "head_dim": first.shape[1],
-        "layers": sorted(W_by_layer),
+        "d_prime": first.W.shape[0],
+        "head_dim": first.W.shape[1],
+        "layers": sorted(projections),
+        "bias": first.b is not None,
     }
-    _save_atomic({f"layer{l}.W": W.contiguous() for l, W in W_by_layer.items()}, path, _metadata(meta))
+    tensors = {}
+    for layer, p in projections.items():
+        tensors[f"layer{layer}.W"] = p.W.contiguous()
+        if p.b is not None:
+            tensors[f"layer{layer}.b"] = p.b.contiguous()
+    _save_atomic(tensors, path, _metadata(meta))
 
 
 def load_projections(path):
-    """(W_by_layer, meta) as written by :func:`save_projections`."""
-    tensors = load_file(str(path))
-    W = {int(name.removeprefix("layer").removesuffix(".W")): t for name, t in tensors.items()}
-    return dict(sorted(W.items())), _read_metadata(path)
+    """({layer: Affine}, meta) as written by :func:`save_projections`."""
+    parts: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in load_file(str(path)).items():
+        layer, part = name.split(".")
+        parts.setdefault(int(layer.removeprefix("layer")), {})[part] = tensor
+    projections = {layer: Affine(p["W"], p.get("b")) for layer, p in sorted(parts.items())}
+    return projections, _read_metadata(path)
+
+
+# ---- training instances and pairs ---------------------------------------------------------------
+
+# Key vectors gathered at once when building pairs (instances x keys x d).
+GATHER_ELEMENTS = 1 << 24
 
 
 def _masked_softmax(logits, mask):
@@ -191,213 +429,276 @@ def _masked_softmax(logits, mask):
 class Instances:
     """Training instances of one layer, (seq, head, pos) triples; keys are gathered per batch.
 
-    Materialising every padded key list would take n x T x d floats (paper scale: 40,960 x
-    4,096 x 128), so :meth:`batch` gathers them, and psi, for the instances asked for.
+    Materialising every key list would take n x T x d floats (paper scale: 40,960 x 4,096 x
+    128), so :meth:`batch` gathers them, and psi, for the instances asked for.
     """
 
     seq: torch.Tensor  # (n,) sequence index
     head: torch.Tensor  # (n,) query head
-    pos: torch.Tensor  # (n,) query position; its causal keys are positions 0..pos
+    pos: torch.Tensor  # (n,) query position
     query: torch.Tensor  # (n, d)
     keys_source: torch.Tensor  # (N, H_kv, T, d), the layer's captured keys (not copied)
     groups: int  # query heads per key/value head
+    causal: bool = False
+    key_subset: torch.Tensor | None = None  # (N, H_kv, n_keys) sampled key positions
 
     def __len__(self):
         return len(self.seq)
 
     def batch(self, index=None):
-        """dict of query (B, d), keys (B, L, d), mask (B, L) and psi (B, L), L = max pos + 1."""
+        """dict of query (B, d), keys (B, L, d), positions (B, L) of the keys in the sequence,
+        mask (B, L), scores (B, L) = q.k / sqrt(d) and psi (B, L) = their masked softmax."""
         device = self.keys_source.device
         index = torch.arange(len(self)) if index is None else torch.as_tensor(index)
         index = index.to(device)
-        pos = self.pos[index]
-        length = int(pos.max()) + 1
-        keys = self.keys_source[self.seq[index], self.head[index] // self.groups, :length]  # (B, L, d)
-        mask = torch.arange(length, device=device)[None, :] <= pos[:, None]
+        seq, kv_head, pos = self.seq[index], self.head[index] // self.groups, self.pos[index]
+        seq_len = self.keys_source.shape[2]
+        if self.key_subset is not None:
+            positions = self.key_subset[seq, kv_head]  # (B, n_keys)
+            keys = self.keys_source[seq[:, None], kv_head[:, None], positions]
+        else:
+            length = int(pos.max()) + 1 if self.causal else seq_len
+            positions = torch.arange(length, device=device).expand(len(index), length)
+            keys = self.keys_source[seq, kv_head, :length]
+        mask = positions <= pos[:, None] if self.causal else torch.ones_like(positions, dtype=torch.bool)
         query = self.query[index]
-        logits = torch.einsum("bd,bld->bl", query, keys) / math.sqrt(query.shape[-1])
-        return {"query": query, "keys": keys, "mask": mask, "psi": _masked_softmax(logits, mask)}
+        scores = torch.einsum("bd,bld->bl", query, keys) / math.sqrt(query.shape[-1])
+        psi = _masked_softmax(scores, mask)
+        return {"query": query, "keys": keys, "positions": positions, "mask": mask, "scores": scores, "psi": psi}
 
 
-def sample_instances(capture_layer, n_instances: int, generator: torch.Generator, min_position: int = 1):
-    """Uniform subsample, without replacement, of (sequence, head, query position) triples.
-
-    Positions run from ``min_position`` (1: every instance has at least two keys) to T - 1.
-    Asking for more instances than there are triples returns all of them.
-    """
-    q, k = capture_layer["q"], capture_layer["k"]
+def build_instances(layer_capture, settings: FitSettings, generator: torch.Generator) -> Instances:
+    """Every ``query_stride``-th position (from 0) of every head and sequence, in (sequence,
+    head, position) order; optionally a random subset of ``n_instances`` (order kept) and
+    ``num_sampled_keys`` random keys per (sequence, key/value head)."""
+    q, k = layer_capture["q"], layer_capture["k"]
     n, heads, seq_len, _ = q.shape
-    positions = seq_len - min_position
-    if positions <= 0:
-        raise ValueError(f"min_position={min_position} leaves no query position in T={seq_len}")
-    total = n * heads * positions
-    flat = torch.randperm(total, generator=generator)[: min(n_instances, total)].to(q.device)
-    seq, rest = flat // (heads * positions), flat % (heads * positions)
-    head, pos = rest // positions, rest % positions + min_position
-    return Instances(seq, head, pos, q[seq, head, pos], k, heads // k.shape[1])
-
-
-def projected_logits(W, query, keys):
-    """s_j = (W q).(W k_j) / sqrt(d'), computed as (W^T W q).k_j: O(L d) per query, not O(L d d')."""
-    W = W.to(query.dtype)
-    u = (query @ W.T) @ W  # (B, d)
-    return torch.einsum("bd,bld->bl", u, keys) / math.sqrt(W.shape[0])
+    stride = settings.query_stride or heads
+    grid = torch.arange(0, seq_len, stride)
+    seq, head, pos = (t.reshape(-1) for t in torch.meshgrid(torch.arange(n), torch.arange(heads), grid, indexing="ij"))
+    if settings.n_instances is not None and settings.n_instances < len(seq):
+        keep = torch.randperm(len(seq), generator=generator)[: settings.n_instances].sort().values
+        seq, head, pos = seq[keep], head[keep], pos[keep]
+    subset = None
+    if settings.num_sampled_keys is not None:
+        n_keys = min(settings.num_sampled_keys, seq_len)
+        subset = torch.rand(n, k.shape[1], seq_len, generator=generator).argsort(-1)[..., :n_keys].to(q.device)
+    seq, head, pos = seq.to(q.device), head.to(q.device), pos.to(q.device)
+    return Instances(seq, head, pos, q[seq, head, pos], k, heads // k.shape[1], settings.causal, subset)
 
 
 @dataclass
-class FitHparams:
-    """Hyperparameters of one fit; defaults suit a CPU run (paper scale: n_instances=40960).
+class Pairs:
+    """Chosen/rejected keys of pairwise objectives: instance index and key positions, (P,) each."""
 
-    gamma, k, lam, max_preferred: DimPO's margin, head top-k, head weight and preferred-key
-    cap (``dimattn.objectives``). init: "pca" or "random", the start of gradient objectives.
-    """
+    inst: torch.Tensor
+    chosen: torch.Tensor
+    rejected: torch.Tensor
 
-    lr: float = 1e-2
-    steps: int = 200
-    batch_size: int = 128
-    n_instances: int = 2048
-    gamma: float = 0.0
-    k: int = 0
-    lam: float = 0.0
-    max_preferred: int | None = None
-    init: str = "pca"
-    min_position: int = 1
+    def __len__(self):
+        return len(self.inst)
 
-    @classmethod
-    def from_mapping(cls, hparams) -> "FitHparams":
-        if isinstance(hparams, cls):
-            return hparams
-        out = from_mapping(cls, hparams, "fit hyperparameters")
-        if out.init not in ("pca", "random"):
-            raise ValueError(f"init={out.init!r} must be 'pca' or 'random'")
-        return out
+    def vectors(self, instances: Instances, index):
+        """(query, chosen key, rejected key), (B, d) each, for pairs ``index``."""
+        index = torch.as_tensor(index).to(self.inst.device)
+        inst = self.inst[index]
+        seq, kv_head = instances.seq[inst], instances.head[inst] // instances.groups
+        source = instances.keys_source
+        return instances.query[inst], source[seq, kv_head, self.chosen[index]], source[seq, kv_head, self.rejected[index]]
 
 
-def _flat(x):
-    return x.reshape(-1, x.shape[-1])
+def build_pairs(instances: Instances, settings: FitSettings, generator: torch.Generator) -> Pairs:
+    """Pairs of every instance by ``settings.pair_mode`` (dimattn.objectives.select_pairs), in
+    instance order; the key lists are gathered a bounded number of instances at a time."""
+    _, _, length, d = instances.keys_source.shape
+    chunk = max(1, GATHER_ELEMENTS // (length * d))
+    parts = []
+    for index in torch.arange(len(instances)).split(chunk):
+        b = instances.batch(index)
+        rows, chosen, rejected = select_pairs(
+            b["scores"], b["mask"], settings.pair_mode, generator=generator,
+            num_pairs=settings.num_pairs, distance=settings.pair_distance,
+        )  # fmt: skip
+        positions = b["positions"]
+        parts.append((index.to(rows.device)[rows], positions[rows, chosen], positions[rows, rejected]))
+    return Pairs(*(torch.cat(column) for column in zip(*parts)))
 
 
-def initial_projection(layer_capture, d_prime: int, init: str, seed: int) -> torch.Tensor:
-    if init == "pca":
-        return pca_projection(_flat(layer_capture["q"]), _flat(layer_capture["k"]), d_prime)
-    return random_projection(layer_capture["q"].shape[-1], d_prime, seed, dtype=layer_capture["q"].dtype)
+# ---- fitting ----------------------------------------------------------------------------------
 
 
-def objective_loss(instances: Instances, objective: str, W, hparams=None, batch_size: int = 512) -> float:
-    """Mean of a gradient objective's loss over all ``instances`` at projection W (no grad)."""
-    obj, hp = get_objective(objective), FitHparams.from_mapping(hparams)
+def pca_data(layer_capture, settings: FitSettings):
+    """(queries, keys) of a PCA fit: the queries of all heads at the strided positions and all
+    keys, of all sequences or only the last (``settings.pca_fit``)."""
+    q, k = layer_capture["q"], layer_capture["k"]
+    if settings.pca_fit == "last":
+        q, k = q[-1:], k[-1:]
+    return q[:, :, :: settings.query_stride or q.shape[1]], k
+
+
+def initial_projection(layer_capture, d_prime: int, settings: FitSettings, generator) -> Affine:
+    """Start of a trained objective (``settings.init``, ``settings.bias``), float32 on the capture's device."""
+    device, d = layer_capture["q"].device, layer_capture["q"].shape[-1]
+    if settings.init == "pca":
+        W, b = pca_projection(*pca_data(layer_capture, settings), d_prime, settings.pca_center)
+        if settings.bias and b is None:
+            b = torch.zeros(d_prime, dtype=W.dtype, device=W.device)
+        return Affine(W.float(), b.float() if settings.bias else None)
+    bound = 1.0 / math.sqrt(d)  # nn.Linear: kaiming_uniform(a=sqrt(5)) and its bias rule
+    W = (torch.rand(d_prime, d, generator=generator) * 2 - 1) * bound
+    b = (torch.rand(d_prime, generator=generator) * 2 - 1) * bound if settings.bias else None
+    return Affine(W, b).to(device)
+
+
+def _batch_loss(obj, settings, proj, instances, pairs, index, scale):
+    if obj.kind == "list":
+        b = instances.batch(index)
+        return obj(projected_logits(proj, b["query"], b["keys"], scale), b["psi"], b["mask"], hparams=settings)
+    q, k_w, k_l = (proj(x) for x in pairs.vectors(instances, index))
+    if obj.kind == "triplet":
+        return obj(q, k_w, k_l, hparams=settings)
+    return obj((q * k_w).sum(-1) * scale, (q * k_l).sum(-1) * scale, hparams=settings)
+
+
+def objective_loss(instances: Instances, objective: str, projection, hparams=None, batch_size: int = 512) -> float:
+    """Mean of a list objective's loss over all ``instances`` at ``projection`` (no grad)."""
+    obj, st = get_objective(objective), resolve_settings(objective, hparams)
+    proj = as_affine(projection).to(device=instances.query.device, dtype=instances.query.dtype)
+    scale = logit_scale(st.train_scale, proj.W.shape[1], proj.W.shape[0])
     total = 0.0
     with torch.no_grad():
         for index in torch.arange(len(instances)).split(batch_size):
-            b = instances.batch(index)
-            loss = obj(projected_logits(W, b["query"], b["keys"]), b["psi"], b["mask"], hp)
-            total += float(loss) * len(index)
+            total += float(_batch_loss(obj, st, proj, instances, None, index, scale)) * len(index)
     return total / len(instances)
 
 
-def fit_layer(
-    layer_capture,
-    objective: str,
-    d_prime: int,
-    hparams=None,
-    seed: int = 0,
-    *,
-    progress: bool = True,
-    device=None,
-):
-    """Fit W (d', d) for one layer. Returns (W, history), history = [(step, minibatch loss)].
+HISTORY_POINTS = 500  # at most about this many (step, mean loss) points are kept per layer
 
-    Closed-form objectives return an empty history. Gradient objectives: ``n_instances``
-    instances sampled once, epochs of shuffled minibatches, Adam for ``steps`` steps, all
-    drawn from one (CPU) generator seeded with ``seed``, so a fit is deterministic on a given
-    device. ``device``: where to fit (default: where the capture is); W comes back on the CPU.
+
+def fit_layer(layer_capture, objective: str, d_prime: int, hparams=None, seed: int = 0, *, progress=True,
+              device=None):  # fmt: skip
+    """Fit F for one layer. Returns (Affine on the CPU, history).
+
+    history: [(step, mean minibatch loss since the previous point)], empty for closed-form
+    objectives. All draws (instances, pairs, init, order) come from one CPU generator seeded
+    with ``seed``, so a fit is deterministic on a given device. A step whose loss is not finite
+    is skipped, as the authors do. ``device``: where to fit (default: where the capture is).
     """
-    obj, hp = get_objective(objective), FitHparams.from_mapping(hparams)
+    obj, st = get_objective(objective), resolve_settings(objective, hparams)
     if device is not None:
         layer_capture = {name: t.to(device) for name, t in layer_capture.items()}
-    if not obj.trained:
-        return obj.fit(_flat(layer_capture["q"]), _flat(layer_capture["k"]), d_prime, seed).cpu(), []
     generator = torch.Generator().manual_seed(seed)
-    instances = sample_instances(layer_capture, hp.n_instances, generator, hp.min_position)
-    W = torch.nn.Parameter(
-        initial_projection(layer_capture, d_prime, hp.init, seed).to(layer_capture["q"].device)
-    )
-    optimizer = torch.optim.Adam([W], lr=hp.lr)
+    d = layer_capture["q"].shape[-1]
+    if not obj.trained:
+        queries, keys = pca_data(layer_capture, st)
+        W, b = obj.fit(queries, keys, d_prime, generator=generator, center=st.pca_center)
+        return Affine(W.cpu(), None if b is None else b.cpu()), []
+    instances = build_instances(layer_capture, st, generator)
+    pairs = None
+    if obj.kind == "list":
+        if st.pair_mode != "extreme":
+            raise ValueError(
+                f"{objective} uses every key of its list; Appendix B's 'all key pairs' for the listwise "
+                "term is num_sampled_keys, other pair modes apply to pairwise objectives only"
+            )
+        items = len(instances)
+    else:
+        pairs = build_pairs(instances, st, generator)
+        items = len(pairs)
+    start = initial_projection(layer_capture, d_prime, st, generator)
+    params = [torch.nn.Parameter(start.W.clone())]
+    if start.b is not None:
+        params.append(torch.nn.Parameter(start.b.clone()))
+    proj = Affine(*params)
+    optimizer = torch.optim.Adam(params, lr=st.lr, weight_decay=st.weight_decay)
+    total = st.steps or st.epochs * math.ceil(items / st.batch_size)
+    scale = logit_scale(st.train_scale, d, d_prime)
+    every = max(1, total // HISTORY_POINTS)
     history, order = [], torch.empty(0, dtype=torch.long)
-    for step in tqdm(range(hp.steps), desc=f"{objective} d'={d_prime}", disable=not progress, leave=False):
-        if len(order) < min(hp.batch_size, len(instances)):  # new epoch
-            order = torch.randperm(len(instances), generator=generator)
-        index, order = order[: hp.batch_size], order[hp.batch_size :]
-        b = instances.batch(index)
-        loss = obj(projected_logits(W, b["query"], b["keys"]), b["psi"], b["mask"], hp)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        history.append((step, loss.item()))
-    return W.detach().cpu().clone(), history
+    running, count = torch.zeros((), device=params[0].device), 0
+    for step in tqdm(range(total), desc=f"{objective} d'={d_prime}", disable=not progress, leave=False):
+        if len(order) == 0:  # new epoch
+            order = torch.randperm(items, generator=generator) if st.shuffle else torch.arange(items)
+        index, order = order[: st.batch_size], order[st.batch_size :]
+        loss = _batch_loss(obj, st, proj, instances, pairs, index, scale)
+        if torch.isfinite(loss):
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            running, count = running + loss.detach(), count + 1
+        if (step + 1) % every == 0 or step + 1 == total:
+            history.append((step, float(running / count) if count else float("nan")))
+            running, count = torch.zeros_like(running), 0
+    result = Affine(params[0].detach().cpu().clone(), params[1].detach().cpu().clone() if len(params) > 1 else None)
+    return result, history
 
 
-def fit_projections(
-    capture,
-    objective: str,
-    d_prime: int,
-    hparams=None,
-    seed: int = 0,
-    *,
-    progress: bool = True,
-    return_history: bool = False,
-    device=None,
-):
-    """{layer: W} for every captured layer, each fitted independently with seed ``seed + layer``.
+def fit_projections(capture, objective: str, d_prime: int, hparams=None, seed: int = 0, *, progress=True,
+                    return_history=False, device=None):  # fmt: skip
+    """{layer: Affine} for every captured layer, each fitted independently with seed ``seed + layer``.
 
-    With ``return_history`` returns (W_by_layer, {layer: [(step, loss)]}).
+    With ``return_history`` returns (projections, {layer: history}).
     """
-    W_by_layer, histories = {}, {}
+    settings = resolve_settings(objective, hparams)
+    out, histories = {}, {}
     for layer in tqdm(sorted(capture), desc=f"layers ({objective})", disable=not progress):
-        W_by_layer[layer], histories[layer] = fit_layer(
-            capture[layer], objective, d_prime, hparams, seed + layer, progress=progress, device=device
+        out[layer], histories[layer] = fit_layer(
+            capture[layer], objective, d_prime, settings, seed + layer, progress=progress, device=device
         )
-    return (W_by_layer, histories) if return_history else W_by_layer
+    return (out, histories) if return_history else out
+
+
+# ---- fidelity (Table 1) -----------------------------------------------------------------------
+
+KL_EPS = 1e-9  # the authors' log(pi + 1e-9)
 
 
 @torch.no_grad()
-def attention_fidelity(capture, projections, *, chunk_size: int = 256, device=None) -> list[dict]:
-    """Per projected layer: mean KL(psi || pi_theta) over all (sequence, head, position) and
-    mean squared error between psi V and pi_theta V over all output elements.
+def attention_fidelity(capture, projections, *, causal: bool = False, scale: str = "d_prime",
+                       mse_head_chunk: int = 0, chunk_size: int = 256, device=None) -> list[dict]:  # fmt: skip
+    """Per projected layer, the authors' metrics (attn_similarity.py) over every (sequence,
+    head, query position): mean KL = sum_j psi_j (log psi_j - log(pi_j + 1e-9)) and the mean
+    squared error between psi V and pi V (V repeated over the query heads of a key/value
+    head), averaged over heads, positions and value dimensions.
 
-    Query positions go ``chunk_size`` at a time, so memory is O(H chunk_size T) per step.
-    ``device``: where to compute (default: where the capture is).
+    psi = Softmax(q K^T / sqrt(d)); pi = Softmax(F(q) F(K)^T * scale), scale 1/sqrt(d') for
+    "d_prime" (Table 1) or 1/sqrt(d) for "d" (the authors' inference). ``causal`` False: every
+    query sees all T keys (the authors'). ``mse_head_chunk`` c > 0: the MSE over the last chunk
+    of c query heads only (the authors' latest code). Query positions go ``chunk_size`` at a
+    time, so memory is O(H chunk_size T). ``device``: where to compute (default: the capture's).
     """
     rows = []
-    for layer, W in sorted(projections.items()):
+    for layer, projection in sorted(projections.items()):
         if layer not in capture:
             raise KeyError(f"projection for layer {layer} but the capture has layers {sorted(capture)}")
         q, k, v = (capture[layer][name].to(device) for name in "qkv")
         n, heads, seq_len, d = q.shape
-        kv_heads = k.shape[1]
-        W = W.to(device=q.device, dtype=q.dtype)
-        WtW = W.T @ W  # (d, d): q'.k' = (W^T W q).k
+        kv_heads, d_v = k.shape[1], v.shape[-1]
+        proj = as_affine(projection).to(device=q.device, dtype=q.dtype)
+        low_scale = logit_scale(scale, d, proj.W.shape[0])
+        first = mse_head_chunk * ((heads - 1) // mse_head_chunk) if mse_head_chunk else 0
         kl_sum = mse_sum = 0.0
         for i in range(n):
             for start in range(0, seq_len, chunk_size):
                 stop = min(start + chunk_size, seq_len)
-                qc = q[i, :, start:stop].reshape(kv_heads, heads // kv_heads, stop - start, d)
-                keys, values = k[i, :, :stop], v[i, :, :stop]  # (H_kv, stop, d)
-                mask = (
-                    torch.arange(stop, device=q.device)[None, :]
-                    <= torch.arange(start, stop, device=q.device)[:, None]
-                )
+                width = stop if causal else seq_len
+                qc = q[i, :, start:stop]  # (H, c, d)
+                u = proj.query_vector(qc).reshape(kv_heads, heads // kv_heads, stop - start, d)
+                qc = qc.reshape(kv_heads, heads // kv_heads, stop - start, d)
+                keys, values = k[i, :, :width], v[i, :, :width]  # (H_kv, width, d)
                 full = torch.einsum("hgcd,htd->hgct", qc, keys) / math.sqrt(d)
-                low = torch.einsum("hgcd,htd->hgct", qc @ WtW, keys) / math.sqrt(W.shape[0])
-                log_psi = torch.log_softmax(full.masked_fill(~mask, float("-inf")), -1)
-                log_pi = torch.log_softmax(low.masked_fill(~mask, float("-inf")), -1)
-                psi = log_psi.exp()
-                kl = torch.where(mask, psi * (log_psi - log_pi), torch.zeros_like(psi))
+                low = torch.einsum("hgcd,htd->hgct", u, keys) * low_scale
+                if causal:
+                    future = torch.arange(width, device=q.device)[None, :] > torch.arange(start, stop, device=q.device)[:, None]
+                    full, low = full.masked_fill(future, float("-inf")), low.masked_fill(future, float("-inf"))
+                log_psi = torch.log_softmax(full, -1)
+                psi, pi = log_psi.exp(), torch.softmax(low, -1)
+                kl = torch.where(psi > 0, psi * (log_psi - torch.log(pi + KL_EPS)), torch.zeros_like(psi))
                 kl_sum += kl.sum(dtype=torch.float64).item()
-                diff = torch.einsum("hgct,htd->hgcd", psi - log_pi.exp(), values)  # psi V - pi V
-                mse_sum += diff.pow(2).sum(dtype=torch.float64).item()
+                diff = torch.einsum("hgct,htd->hgcd", psi - pi, values).reshape(heads, stop - start, d_v)
+                mse_sum += diff[first:].pow(2).sum(dtype=torch.float64).item()
         rows.append(
-            {"layer": layer, "kl": kl_sum / (n * heads * seq_len), "mse": mse_sum / (n * heads * seq_len * d)}
+            {"layer": layer, "kl": kl_sum / (n * heads * seq_len), "mse": mse_sum / (n * (heads - first) * seq_len * d_v)}
         )
     return rows
 
@@ -405,15 +706,16 @@ def attention_fidelity(capture, projections, *, chunk_size: int = 256, device=No
 # ---- file-level steps, one per workflow rule (workflow_scripts/*.py call these) -------------
 
 
-def document_windows(tokenizer, texts, seq_len: int, n_sequences: int) -> torch.LongTensor:
+def document_windows(tokenizer, texts, seq_len: int, n_sequences: int, add_special_tokens: bool = False):
     """(n_sequences, seq_len) token windows: the first seq_len tokens of each document, as in
     seed 003 section 3.3 (first 4096 tokens of each chapter long enough), then the next
     non-overlapping window of each document in turn if there are fewer documents than
-    sequences. Documents shorter than seq_len are skipped.
+    sequences. Documents shorter than seq_len are skipped. The authors tokenise without
+    special tokens (``add_special_tokens=False``).
     """
     per_document = []
     for text in texts:
-        ids = tokenizer(text)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         windows = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
         if windows:
             per_document.append(windows)
@@ -431,75 +733,81 @@ def _is_dimattn_directory(source) -> bool:
     return config.is_file() and json.loads(config.read_text()).get("model_type") == "dimattn"
 
 
-def capture_to_file(
-    source,
-    documents,
-    seq_len: int,
-    n_sequences: int,
-    out_path,
-    model_name: str,
-    device: str = "cpu",
-    batch_size: int = 1,
-) -> dict:
+def capture_to_file(source, documents, seq_len: int, n_sequences: int, out_path, model_name: str,
+                    device: str = "cpu", batch_size: int = 1, hparams=None) -> dict:  # fmt: skip
     """Load the frozen model and tokenizer at ``source`` (our run directory or a hub name),
-    capture q/k/v on windows of the jsonl ``documents`` and save them; returns the metadata."""
+    capture q/k/v on windows of the jsonl ``documents`` and save them; returns the metadata.
+
+    ``hparams`` (the fit hparams, with ``preset``) give ``capture_dtype`` and ``special_tokens``.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .data import read_documents
 
+    settings = resolve_settings(None, hparams)
     tokenizer = AutoTokenizer.from_pretrained(source)
     # Remote code only for our own run directories; a hub model loads with transformers' own
     # classes (Llama, Qwen2, ...) and never runs code from the hub.
     ours = _is_dimattn_directory(source)
-    dtype = torch.float32 if ours or device == "cpu" else torch.bfloat16
+    dtype = torch.float32 if settings.capture_dtype == "float32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=ours, dtype=dtype).to(device).eval()
-    ids = document_windows(
-        tokenizer, (doc["text"] for doc in read_documents(documents)), seq_len, n_sequences
-    )
+    texts = (doc["text"] for doc in read_documents(documents))
+    ids = document_windows(tokenizer, texts, seq_len, n_sequences, settings.special_tokens)
     capture = capture_qkv(model, ids, batch_size=batch_size)
-    meta = {"model": model_name, "source": str(source), "documents": str(documents)}
+    meta = {
+        "model": model_name, "source": str(source), "documents": str(documents),
+        "capture_dtype": settings.capture_dtype, "special_tokens": settings.special_tokens,
+    }  # fmt: skip
     save_capture(capture, out_path, meta)
     return _read_metadata(out_path)
 
 
 def fit_to_file(capture_path, objective: str, d_prime: int, hparams, out_path, device: str = "cpu") -> None:
-    """Fit one projection per captured layer and save it; ``hparams`` may carry ``seed``."""
+    """Fit one projection per captured layer and save it with its settings in the metadata.
+
+    ``hparams``: FitSettings fields plus ``preset``, ``per_objective`` and ``seed``.
+    """
     hparams = dict(hparams or {})
     seed = int(hparams.pop("seed", 0))
-    hp = FitHparams.from_mapping(hparams)
+    settings = resolve_settings(objective, hparams)
     capture, capture_meta = load_capture(capture_path)
-    W, histories = fit_projections(capture, objective, d_prime, hp, seed, return_history=True, device=device)
+    projections, histories = fit_projections(
+        capture, objective, d_prime, settings, seed, return_history=True, device=device
+    )
     meta = {
         "model": capture_meta.get("model"),
         "objective": objective,
         "seed": seed,
-        "hparams": asdict(hp) if get_objective(objective).trained else {},
+        "preset": settings.preset,
+        "settings": asdict(settings),
         "history": {str(layer): h for layer, h in histories.items()},
     }
-    save_projections(W, out_path, meta)
+    save_projections(projections, out_path, meta)
 
 
-def fidelity_to_file(
-    capture_path,
-    projections_path,
-    out_csv,
-    model_name: str,
-    objective: str,
-    d_prime: int,
-    device: str | None = None,
-) -> list[dict]:
+def fidelity_to_file(capture_path, projections_path, out_csv, model_name: str, objective: str, d_prime: int,
+                     device: str | None = None, scale: str = "train") -> list[dict]:  # fmt: skip
     """Per-layer KL and MSE on the evaluation capture, as a CSV with columns
-    model, objective, d_prime, head_dim, layer, kl, mse."""
+    model, objective, d_prime, head_dim, layer, kl, mse.
+
+    causal and mse_head_chunk come from the projection's settings; ``scale`` "train" scores at
+    its train_scale (Table 1), "inference" at its inference_scale.
+    """
+    if scale not in ("train", "inference"):
+        raise ValueError(f"scale={scale!r} must be 'train' or 'inference'")
     capture, meta = load_capture(capture_path)
-    W, _ = load_projections(projections_path)
+    projections, pmeta = load_projections(projections_path)
+    settings = resolve_settings(None, pmeta.get("settings"))
+    rows = attention_fidelity(
+        capture, projections, causal=settings.causal, mse_head_chunk=settings.mse_head_chunk, device=device,
+        scale=settings.train_scale if scale == "train" else settings.inference_scale,
+    )  # fmt: skip
     rows = [
         {"model": model_name, "objective": objective, "d_prime": d_prime, "head_dim": meta["head_dim"], **row}
-        for row in attention_fidelity(capture, W, device=device)
+        for row in rows
     ]
     with atomic_file(Path(out_csv)) as tmp, open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(
-            f, fieldnames=["model", "objective", "d_prime", "head_dim", "layer", "kl", "mse"]
-        )
+        writer = csv.DictWriter(f, fieldnames=["model", "objective", "d_prime", "head_dim", "layer", "kl", "mse"])
         writer.writeheader()
         writer.writerows(rows)
     return rows
@@ -507,22 +815,28 @@ def fidelity_to_file(
 
 __all__ = [
     "CAPTURE_IMPLEMENTATION",
-    "FitHparams",
+    "PRESETS",
+    "Affine",
+    "FitSettings",
     "Instances",
-    "OBJECTIVES",
+    "Pairs",
+    "as_affine",
     "attention_fidelity",
+    "build_instances",
+    "build_pairs",
     "capture_qkv",
     "capture_to_file",
     "document_windows",
     "fidelity_to_file",
-    "fit_to_file",
     "fit_layer",
     "fit_projections",
+    "fit_to_file",
     "load_capture",
     "load_projections",
+    "logit_scale",
     "objective_loss",
     "projected_logits",
-    "sample_instances",
+    "resolve_settings",
     "save_capture",
     "save_projections",
 ]

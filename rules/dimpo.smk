@@ -26,6 +26,7 @@ rule capture_qkv:
     params:
         source=dimpo_model_source,
         capture=PLAN.dimpo["capture"],
+        hparams=PLAN.dimpo["hparams"],
         device=PLAN.config["device"],
     script:
         "../workflow_scripts/capture_qkv.py"

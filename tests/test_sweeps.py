@@ -183,3 +183,19 @@ def test_the_smoke_config_stands_alone():
     assert plan.recall_runs and plan.text_runs and plan.lm_eval_runs and plan.dimpo_enabled
     attentions = {r.model["attention"] for r in plan.runs.values()}
     assert attentions == {"vanilla", "dar", "uniform", "swa"}
+
+
+def test_dimpo_schema_names_every_fit_setting_and_objective():
+    """The schema types every dimattn.projections.FitSettings field; the code is the authority."""
+    from dataclasses import fields
+
+    from dimattn.objectives import OBJECTIVES
+    from dimattn.projections import PRESETS, FitSettings
+
+    schema = yaml.safe_load((REPO / "schemas/config.schema.yaml").read_text())
+    hparams = schema["properties"]["dimpo"]["properties"]["hparams"]["properties"]
+    names = {f.name for f in fields(FitSettings)}
+    assert set(hparams) == names | {"seed", "per_objective"}
+    assert set(schema["$defs"]["fit_settings"]["propertyNames"]["enum"]) == names - {"preset"}
+    assert set(schema["$defs"]["objective"]["enum"]) == set(OBJECTIVES)
+    assert set(hparams["preset"]["enum"]) == set(PRESETS)

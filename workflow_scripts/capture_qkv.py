@@ -15,4 +15,5 @@ with logged(snakemake):
         out_path=Path(snakemake.output[0]),
         model_name=snakemake.wildcards.model,
         device=snakemake.params.device,
+        hparams=snakemake.params.hparams,  # capture_dtype, special_tokens of the preset
     )

@@ -30,7 +30,9 @@ OBJECTIVE_LABELS = {
     "cpo": "CPO",
     "simpo": "SimPO",
     "orpo": "ORPO",
+    "dimpo_list": "DimPO, listwise only",  # the paper's DimPO (k=0, lambda=0) row
     "dimpo": "DimPO",
+    "dimpo_kl": "DimPO + KL",  # Table 6
     "kl": "KL",
 }
 _K_RE = re.compile(r"\bk\s*[=_:]?\s*(\d+)", re.I)

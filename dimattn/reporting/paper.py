@@ -23,7 +23,7 @@ FILES = {
 # Seed 003, Section 4: every model it projects has head dimension d = 128.
 DIMPO_HEAD_DIM = 128
 # Seed 003 Table 1 row order; objectives we do not run still appear as paper-only rows.
-OBJECTIVE_ORDER = ["random", "pca", "triplet", "cpo", "simpo", "orpo", "dimpo", "kl"]
+OBJECTIVE_ORDER = ["random", "pca", "triplet", "cpo", "simpo", "orpo", "dimpo_list", "dimpo", "dimpo_kl", "kl"]
 # The paper's wording of a metric -> lm-eval's "metric,filter".
 METRIC_NAMES = {"flexible-extract exact match": "exact_match,flexible-extract"}
 

@@ -45,7 +45,9 @@ OBJECTIVE_COLORS = {
     "cpo": _CB[3],
     "simpo": _CB[6],
     "orpo": _CB[9],
+    "dimpo_list": _CB[8],
     "dimpo": _CB[0],
+    "dimpo_kl": _CB[7],
     "kl": _CB[2],
 }
 
