@@ -102,12 +102,12 @@ def capture(model: str, purpose: str) -> str:
     return f"{DIMPO}/{model}/capture_{purpose}.safetensors"
 
 
-def projection(model: str, objective: str, d_prime) -> str:
-    return f"{DIMPO}/{model}/projections/{objective}-d{d_prime}.safetensors"
+def projection(model: str, objective: str, d_prime, seed) -> str:
+    return f"{DIMPO}/{model}/projections/{objective}-d{d_prime}-s{seed}.safetensors"
 
 
-def fidelity(model: str, objective: str, d_prime) -> str:
-    return f"{DIMPO}/{model}/fidelity/{objective}-d{d_prime}.csv"
+def fidelity(model: str, objective: str, d_prime, seed) -> str:
+    return f"{DIMPO}/{model}/fidelity/{objective}-d{d_prime}-s{seed}.csv"
 
 
 # --- reporting ----------------------------------------------------------------------------------

@@ -788,7 +788,7 @@ def fit_to_file(capture_path, objective: str, d_prime: int, hparams, out_path, d
 def fidelity_to_file(capture_path, projections_path, out_csv, model_name: str, objective: str, d_prime: int,
                      device: str | None = None, scale: str = "train") -> list[dict]:  # fmt: skip
     """Per-layer KL and MSE on the evaluation capture, as a CSV with columns
-    model, objective, d_prime, head_dim, layer, kl, mse.
+    model, objective, d_prime, head_dim, layer, kl, mse, seed (the fit's).
 
     causal and mse_head_chunk come from the projection's settings; ``scale`` "train" scores at
     its train_scale (Table 1), "inference" at its inference_scale.
@@ -802,12 +802,14 @@ def fidelity_to_file(capture_path, projections_path, out_csv, model_name: str, o
         capture, projections, causal=settings.causal, mse_head_chunk=settings.mse_head_chunk, device=device,
         scale=settings.train_scale if scale == "train" else settings.inference_scale,
     )  # fmt: skip
+    seed = int(pmeta.get("seed", 0))
     rows = [
-        {"model": model_name, "objective": objective, "d_prime": d_prime, "head_dim": meta["head_dim"], **row}
+        {"model": model_name, "objective": objective, "d_prime": d_prime, "head_dim": meta["head_dim"], **row,
+         "seed": seed}
         for row in rows
     ]
     with atomic_file(Path(out_csv)) as tmp, open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["model", "objective", "d_prime", "head_dim", "layer", "kl", "mse"])
+        writer = csv.DictWriter(f, fieldnames=["model", "objective", "d_prime", "head_dim", "layer", "kl", "mse", "seed"])
         writer.writeheader()
         writer.writerows(rows)
     return rows

@@ -148,8 +148,9 @@ def lm_eval_data_files():
 
 def fidelity_files():
     return [
-        paths.fidelity(model, objective, d_prime)
+        paths.fidelity(model, objective, d_prime, seed)
         for model in PLAN.dimpo_models
         for objective in PLAN.dimpo["objectives"]
         for d_prime in PLAN.dimpo["d_prime"]
+        for seed in PLAN.dimpo["seeds"]
     ]

@@ -39,14 +39,15 @@ rule fit_projection:
         fit=paths.capture("{model}", "fit"),
         eval=paths.capture("{model}", "eval"),
     output:
-        projections=paths.projection("{model}", "{objective}", "{d_prime}"),
-        fidelity=paths.fidelity("{model}", "{objective}", "{d_prime}"),
+        projections=paths.projection("{model}", "{objective}", "{d_prime}", "{seed}"),
+        fidelity=paths.fidelity("{model}", "{objective}", "{d_prime}", "{seed}"),
     log:
-        paths.log("dimpo", "fit_{model}_{objective}_d{d_prime}"),
+        paths.log("dimpo", "fit_{model}_{objective}_d{d_prime}_s{seed}"),
     benchmark:
-        paths.bench("fit_projection", "fit_{model}_{objective}_d{d_prime}")
+        paths.bench("fit_projection", "fit_{model}_{objective}_d{d_prime}_s{seed}")
     wildcard_constraints:
         d_prime=r"\d+",
+        seed=r"\d+",
     conda:
         "../envs/torch.yaml"
     threads: PLAN.dimpo["resources"]["threads"]
@@ -55,7 +56,7 @@ rule fit_projection:
         mem_mb=dimpo_resource("mem_mb"),
         gpu=gpu_count(),
     params:
-        hparams=PLAN.dimpo["hparams"],
+        hparams=lambda wc: PLAN.dimpo["hparams"] | {"seed": int(wc.seed)},
         device=PLAN.config["device"],
     script:
         "../workflow_scripts/fit_projection.py"

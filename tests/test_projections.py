@@ -467,7 +467,8 @@ def test_file_steps_end_to_end(tmp_path):
         tmp_path / "capture.safetensors", tmp_path / "W.safetensors", tmp_path / "f.csv", "tiny", "kl", 4
     )
     text = (tmp_path / "f.csv").read_text().splitlines()
-    assert text[0] == "model,objective,d_prime,head_dim,layer,kl,mse" and len(text) == 3
+    assert text[0] == "model,objective,d_prime,head_dim,layer,kl,mse,seed" and len(text) == 3
+    assert all(line.endswith(",3") for line in text[1:])  # the fit's seed
     assert [r["layer"] for r in rows] == [0, 1] and rows[0]["head_dim"] == 8
     capture, _ = load_capture(tmp_path / "capture.safetensors")
     want = attention_fidelity(capture, projections, causal=False, scale="d_prime", mse_head_chunk=4)
