@@ -30,8 +30,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from .atomic import atomic_dir, atomic_file
-
-SPLITS = ("train", "validation", "test")
+from .paths import SPLITS
 
 EOS_TOKEN, BOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|bos|>", "<|pad|>"
 SPECIAL_TOKENS = [EOS_TOKEN, BOS_TOKEN, PAD_TOKEN]  # ids 0, 1, 2

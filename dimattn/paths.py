@@ -74,10 +74,6 @@ def checkpoints(run: str) -> str:
     return f"{CHECKPOINTS}/{run}"
 
 
-def eval_dir(run: str) -> str:
-    return f"{EVAL}/{run}"
-
-
 def perplexity(run: str, dataset: str) -> str:
     return f"{EVAL}/{run}/perplexity_{dataset}.json"
 

@@ -66,7 +66,6 @@ RUN_FIELDS = [
 # Runs that agree on these are replicates of one setting, differing only in their training seed:
 # the tables print their mean and spread.
 SETTING_FIELDS = [f for f in RUN_FIELDS if f not in ("run", "seed")]
-PATTERN_FIELDS = ["dilation", "bottleneck_activation", "full_attention_every", "attention_layers"]
 
 
 def takes(attention: str) -> frozenset[str]:

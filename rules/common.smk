@@ -18,8 +18,8 @@ from dimattn import paths, sweeps
 validate(config, schema="../schemas/config.schema.yaml")
 
 try:
-    # sweeps.validate: the schema's defaults, and a deep copy so that no two sections share one
-    # default object; then every run and cross-reference, each error naming its config key.
+    # sweeps.validate: the schema's defaults, in a copy where no two sections share one default
+    # object; then every run and cross-reference, each error naming its config key.
     PLAN = sweeps.plan(sweeps.validate(config))
 except sweeps.ConfigError as e:
     raise WorkflowError(str(e)) from None
@@ -66,22 +66,24 @@ def run_tokenizer(wildcards):
     return paths.tokenizer(run.dataset, run.synthetic)
 
 
-def run_resource(key):
-    """A resource of the run's scale; mem_mb grows with the attempt, so retries get more."""
+def _resource(section, key):
+    """A resource from a config section (``section(wildcards)``); mem_mb grows with the
+    attempt, so retries get more."""
 
     def get(wildcards, attempt=1):
-        value = RUNS[wildcards.run].resources[key]
+        value = section(wildcards)[key]
         return value * attempt if key == "mem_mb" else value
 
     return get
+
+
+def run_resource(key):
+    """A resource of the run's scale (pretraining.scales.<scale>.resources)."""
+    return _resource(lambda wc: RUNS[wc.run].resources, key)
 
 
 def dimpo_resource(key):
-    def get(wildcards, attempt=1):
-        value = PLAN.dimpo["resources"][key]
-        return value * attempt if key == "mem_mb" else value
-
-    return get
+    return _resource(lambda wc: PLAN.dimpo["resources"], key)
 
 
 def gpu_count():
