@@ -32,7 +32,6 @@ dense otherwise. This file imports nothing from the rest of ``dimattn`` because
 """
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Callable
 

@@ -127,35 +127,89 @@ def write_lm_eval_data(test_jsonl: Path, out_files: dict[str, Path], heldout_doc
                 f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
-                device: str = "cpu", dtype: str = "float32") -> dict:
-    """Evaluate with lm-eval's own `hf` model; tasks = [{"name": ..., "num_fewshot": ...}], ours
-    (TASKS_DIR, run from the workflow directory) or lm-eval's."""
+def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, device: str = "cpu",
+                    dtype: str = "float32", metadata: dict | None = None) -> dict:  # fmt: skip
+    """lm-eval's own `hf` model on ``model_dir``: {"results": ..., "num_fewshot": ...}.
+
+    tasks = [{"name", "num_fewshot", "batch_size", "chat_template"}] (the last two optional, else
+    ``batch_size`` and no chat template), ours (TASKS_DIR) or lm-eval's; ``metadata`` goes to
+    lm-eval's TaskManager with the model's tokenizer (RULER's max_seq_lengths)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     # Indexing lm-eval's thousands of built-in task files takes most of a CPU run: skip it
     # when every task asked for is one of ours.
     own = {p.stem for p in TASKS_DIR.glob("*.yaml")}
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=any(t["name"] not in own for t in tasks))
+    manager = TaskManager(
+        include_path=str(TASKS_DIR), include_defaults=any(t["name"] not in own for t in tasks),
+        metadata={"tokenizer": str(model_dir), **(metadata or {})} if metadata else None,
+    )  # fmt: skip
     results, configs = {}, {}
-    for shots in sorted({t.get("num_fewshot", 0) for t in tasks}):
-        names = [t["name"] for t in tasks if t.get("num_fewshot", 0) == shots]
+    groups = {}
+    for t in tasks:
+        key = (t.get("num_fewshot", 0), t.get("batch_size", batch_size), bool(t.get("chat_template", False)))
+        groups.setdefault(key, []).append(t["name"])
+    for (shots, size, chat), names in sorted(groups.items()):
         out = lm_eval.simple_evaluate(
             model="hf",
             model_args={"pretrained": str(model_dir), "trust_remote_code": True, "dtype": dtype},
             tasks=names,
             num_fewshot=shots,
-            batch_size=batch_size,
+            batch_size=size,
             device=device,
             limit=limit,
             task_manager=manager,
+            apply_chat_template=chat,
             log_samples=False,
             bootstrap_iters=1000,  # stderr: closed form for means, bootstrap for perplexities
         )
         results.update(out["results"])
         configs.update({k: v.get("num_fewshot") for k, v in out.get("configs", {}).items()})
-    record = {**run_metadata(model_dir), "results": _jsonable(results), "num_fewshot": configs}
+    return {"results": _jsonable(results), "num_fewshot": configs}
+
+
+def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
+                device: str = "cpu", dtype: str = "float32") -> dict:
+    """lm_eval_results of one of our runs, with its run fields, as JSON."""
+    record = {**run_metadata(model_dir), **lm_eval_results(model_dir, tasks, batch_size, limit, device, dtype)}
+    _write_json(record, out_json)
+    return record
+
+
+def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_json: Path) -> dict:
+    """Fill the Hugging Face cache on a machine with network (a SLURM login node), so that compute
+    nodes run offline: each hub model's files, and each lm-eval task built once with that model's
+    tokenizer, which downloads its dataset (RULER: the essays, SQuAD, HotpotQA; nltk's punkt_tab)
+    and generates RULER's samples at every metadata.max_seq_lengths."""
+    from huggingface_hub import snapshot_download
+    from lm_eval.tasks import TaskManager
+
+    done = {}
+    for model in models:
+        snapshot_download(model)
+        names = [t["name"] for t in tasks]
+        if names:
+            manager = TaskManager(metadata={"tokenizer": model, **(metadata or {})})
+            manager.load_task_or_group(names)
+        done[model] = names
+    _write_json({"models": done, "metadata": metadata or {}}, out_json)
+    return done
+
+
+def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_len: int, batch_size: int,
+                    max_tokens: int | None, tasks: list[dict], limit: int | None, out_json: Path,
+                    metadata: dict | None = None, device: str = "cpu") -> dict:  # fmt: skip
+    """A projected model directory (dimattn.modeling_projected) scored as our runs are: held-out
+    perplexity per corpus ({corpus: tokens.bin}) and lm-eval's `hf` model on ``tasks``; JSON with
+    ``fields`` (model, objective, d', l, kv, ...) beside."""
+    record = {**fields, "perplexity": {}, "results": {}, "num_fewshot": {}}
+    if tokens:
+        model = load_model(model_dir, device)
+        for corpus, path in tokens.items():
+            record["perplexity"][corpus] = perplexity(model, load_tokens(path)[0], seq_len, batch_size, max_tokens)
+        del model
+    if tasks:
+        record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata))
     _write_json(record, out_json)
     return record
 

@@ -213,7 +213,11 @@ class CausalSelfAttention(nn.Module):
             k_far = rope(k_far.unsqueeze(-2), rows=slice(1, 2)).squeeze(-2)
             far_kv = (k_far.transpose(1, 2), v_far.transpose(1, 2))
 
-        if cache is not None:
+        if cache is not None and (near_kv is None) != (far_kv is None):
+            # One set: cached as it is (a projected model's cache stores F(k), d' wide).
+            kv = cache.update(*(near_kv or far_kv), self.layer_idx)
+            near_kv, far_kv = (kv, None) if self.variant.near else (None, kv)
+        elif cache is not None:
             # One cache entry per layer: near and far sets side by side along head_dim.
             keys = torch.cat([kv[0] for kv in (near_kv, far_kv) if kv is not None], dim=-1)
             values = torch.cat([kv[1] for kv in (near_kv, far_kv) if kv is not None], dim=-1)

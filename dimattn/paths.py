@@ -98,12 +98,28 @@ def capture(model: str, purpose: str) -> str:
     return f"{DIMPO}/{model}/capture_{purpose}.safetensors"
 
 
-def projection(model: str, objective: str, d_prime, seed) -> str:
-    return f"{DIMPO}/{model}/projections/{objective}-d{d_prime}-s{seed}.safetensors"
+def projection(model: str, objective: str, setting: str, d_prime, seed) -> str:
+    """``setting``: dimattn.sweeps.setting_name, "default" for dimpo.hparams as they are."""
+    return f"{DIMPO}/{model}/projections/{objective}/{setting}/d{d_prime}-s{seed}.safetensors"
 
 
-def fidelity(model: str, objective: str, d_prime, seed) -> str:
-    return f"{DIMPO}/{model}/fidelity/{objective}-d{d_prime}-s{seed}.csv"
+def fidelity(model: str, objective: str, setting: str, d_prime, seed) -> str:
+    return f"{DIMPO}/{model}/fidelity/{objective}/{setting}/d{d_prime}-s{seed}.csv"
+
+
+def prefetched() -> str:
+    """Marker of the prefetch rule: the hub models and lm-eval task data are in the HF cache."""
+    return f"{DIMPO}/prefetched.json"
+
+
+def projected_model(model: str, objective: str, d_prime, num_projected, kv: str) -> str:
+    """A projected model directory (dimattn.modeling_projected); objective "base": the base model."""
+    return f"{DIMPO}/{model}/projected/{objective}-d{d_prime}-l{num_projected}-{kv}"
+
+
+def downstream(model: str, objective: str, d_prime, num_projected, kv: str) -> str:
+    """Perplexity and lm-eval scores of a projected model."""
+    return f"{DIMPO}/{model}/downstream/{objective}-d{d_prime}-l{num_projected}-{kv}.json"
 
 
 # --- reporting ----------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""DimPO stage (seed 003): capture queries/keys/values, fit one projection per layer, measure fidelity.
+"""DimPO stage (seed 003): fit one projection per layer on a capture, measure fidelity.
 
 Read top to bottom:
 
-1. ``capture_qkv`` runs a frozen causal LM once through a registered attention function that
-   records post-RoPE queries, keys and values per layer, then hands over to transformers' SDPA.
+1. ``dimattn.capture.capture_qkv`` (its own module: it needs transformers, the fits do not)
+   runs a frozen causal LM once through a registered attention function that records
+   post-RoPE queries, keys and values per layer, then hands over to transformers' SDPA.
 2. ``save_capture`` / ``load_capture`` store them as safetensors (``layer{l}.q`` ...).
 3. ``FitSettings`` and ``PRESETS``: every choice of a fit as a named field, with the authors'
    value and ours; ``resolve_settings`` merges preset, objective defaults and config hparams.
@@ -13,121 +14,28 @@ Read top to bottom:
    shared by queries and keys (Siamese) and by all heads; values are never projected.
 6. ``attention_fidelity``: the paper's proxy metrics (Appendix D, the authors'
    attn_similarity.py): KL(psi || pi) and the MSE between psi V and pi V.
-7. ``capture_to_file``, ``fit_to_file``, ``fidelity_to_file``: the same steps file to file, one
-   per workflow rule (rules/dimpo.smk).
+7. ``fit_to_file``, ``fidelity_to_file`` (and ``dimattn.capture.capture_to_file``): the same
+   steps file to file, one per workflow rule (rules/dimpo.smk).
 
 Shapes: a layer capture holds q (N, H, T, d), k and v (N, H_kv, T, d); query head h reads
 key/value head h // (H / H_kv), as transformers' ``repeat_kv`` lays them out.
 """
 
 import csv
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .affine import Affine, _metadata, _read_metadata, _save_atomic, as_affine, load_projections, logit_scale
+from .affine import projected_logits, save_projections
 from .atomic import atomic_file
 from .objectives import get_objective, pca_projection, select_pairs
 from .settings import from_mapping
-
-CAPTURE_IMPLEMENTATION = "dimattn_capture"
-
-# Filled by _capture_attention while capture_qkv runs: {layer: {"q": [...], "k": [...], "v": [...]}}.
-_capture_store: dict[int, dict[str, list[torch.Tensor]]] | None = None
-_capture_layers: set[int] | None = None
-
-
-def _capture_attention(module, query, key, value, attention_mask, **kwargs):
-    """Record (q, k, v) of ``module.layer_idx``, then attend exactly as ``sdpa`` would."""
-    layer = module.layer_idx
-    if _capture_store is not None and (_capture_layers is None or layer in _capture_layers):
-        q = query.detach().float()
-        scaling = kwargs.get("scaling")
-        if scaling is not None and abs(scaling * math.sqrt(q.shape[-1]) - 1.0) > 1e-6:
-            # psi is defined with 1/sqrt(d); fold any other model scaling into the queries.
-            q = q * (scaling * math.sqrt(q.shape[-1]))
-        entry = _capture_store.setdefault(layer, {"q": [], "k": [], "v": []})
-        entry["q"].append(q.cpu())
-        entry["k"].append(key.detach().float().cpu())
-        entry["v"].append(value.detach().float().cpu())
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-AttentionInterface.register(CAPTURE_IMPLEMENTATION, _capture_attention)
-# Models that build their masks through transformers build the same ones as for sdpa.
-AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, sdpa_mask)
-
-
-def _switch_attention(model, implementation):
-    """``set_attn_implementation``, or the config attribute where the model class refuses it.
-
-    transformers only lets a class switch if its modeling source contains the text
-    ``ALL_ATTENTION_FUNCTIONS.get_interface(``; for any other class the call only logs a
-    warning. Setting the config attribute is what the call does once its checks pass.
-    """
-    if type(model)._can_set_attn_implementation():
-        model.set_attn_implementation(implementation)
-    if model.config._attn_implementation != implementation:
-        model.config._attn_implementation = implementation
-
-
-@torch.no_grad()
-def capture_qkv(model, input_ids: torch.LongTensor, *, layers=None, batch_size: int | None = None):
-    """Post-RoPE queries, keys and values of every (or the listed) attention layer.
-
-    input_ids: (N, T), unpadded. Returns {layer: {"q": (N, H, T, d), "k": (N, H_kv, T, d),
-    "v": (N, H_kv, T, d)}}, float32 on CPU. The model runs in eval mode without a KV cache,
-    ``batch_size`` sequences at a time; its outputs are unchanged and its attention
-    implementation and train/eval mode are restored afterwards.
-    """
-    global _capture_store, _capture_layers
-    previous, was_training = model.config._attn_implementation, model.training
-    device = next(model.parameters()).device
-    _capture_store, _capture_layers = {}, None if layers is None else set(layers)
-    try:
-        model.eval()
-        _switch_attention(model, CAPTURE_IMPLEMENTATION)
-        for batch in input_ids.split(batch_size or len(input_ids)):
-            model(input_ids=batch.to(device), use_cache=False)
-        store = _capture_store
-    finally:
-        _capture_store, _capture_layers = None, None
-        _switch_attention(model, previous)
-        model.train(was_training)
-    missing = sorted(set(layers) - set(store)) if layers is not None else []
-    if not store or missing:
-        raise RuntimeError(
-            f"no capture for layer(s) {missing or 'any'} of {type(model).__name__}: a layer index out of range, "
-            f"or attention that does not call ALL_ATTENTION_FUNCTIONS[config._attn_implementation]"
-        )
-    return {
-        layer: {name: torch.cat(parts) for name, parts in store[layer].items()} for layer in sorted(store)
-    }
-
-
-def _metadata(meta: Mapping) -> dict[str, str]:
-    return {key: json.dumps(value) for key, value in meta.items()}
-
-
-def _read_metadata(path) -> dict:
-    with safe_open(str(path), framework="pt") as f:
-        return {key: json.loads(value) for key, value in (f.metadata() or {}).items()}
-
-
-def _save_atomic(tensors, path, metadata) -> None:
-    """safetensors into a temp sibling, then rename: a killed job leaves no half-written file."""
-    with atomic_file(Path(path)) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
-
 
 def save_capture(capture, path, meta: Mapping | None = None) -> None:
     """Safetensors file with tensors ``layer{l}.q|k|v`` and JSON-string metadata.
@@ -321,17 +229,20 @@ PRESETS: dict[str, dict] = {
 
 
 def resolve_settings(objective: str | None = None, hparams=None) -> FitSettings:
-    """Settings of one fit: preset < the objective's defaults < ``hparams`` < hparams["per_objective"][objective].
+    """Settings of one fit: preset < the objective's defaults < ``hparams`` <
+    hparams["per_objective"][objective] < hparams["setting"].
 
     ``hparams`` may name ``preset`` (default "ours"), ``per_objective`` ({objective: {field:
-    value}}) and ``seed`` (ignored here); every other key must be a FitSettings field.
+    value}}), ``setting`` (a dimpo.ablations setting: fields, and a ``preset`` that replaces the
+    base preset) and ``seed`` (ignored here); every other key must be a FitSettings field.
     """
     if isinstance(hparams, FitSettings):
         return hparams
     hp = dict(hparams or {})
     hp.pop("seed", None)
     per = dict(hp.pop("per_objective", None) or {})
-    preset = hp.pop("preset", "ours")
+    setting = dict(hp.pop("setting", None) or {})
+    preset = setting.pop("preset", hp.pop("preset", "ours"))
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
     for name in per:
@@ -342,82 +253,13 @@ def resolve_settings(objective: str | None = None, hparams=None) -> FitSettings:
     values.update(hp)
     if objective is not None:
         values.update(per.get(objective) or {})
+    values.update(setting)
     return from_mapping(FitSettings, values, "fit settings")
 
 
 # ---- projections ------------------------------------------------------------------------------
 
 
-class Affine(NamedTuple):
-    """F(x) = x W^T + b, W (d', d), b (d',) or None."""
-
-    W: torch.Tensor
-    b: torch.Tensor | None = None
-
-    def __call__(self, x):
-        y = x @ self.W.T
-        return y if self.b is None else y + self.b
-
-    def query_vector(self, q):
-        """u = W^T F(q): F(q).F(k) = u.k + F(q).b, and the last term is the same for every key."""
-        return self(q) @ self.W
-
-    def to(self, *args, **kwargs):
-        return Affine(self.W.to(*args, **kwargs), None if self.b is None else self.b.to(*args, **kwargs))
-
-
-def as_affine(projection) -> Affine:
-    """An :class:`Affine`, from an Affine or a bare W."""
-    return projection if isinstance(projection, Affine) else Affine(projection, None)
-
-
-def logit_scale(kind: str, d: int, d_prime: int) -> float:
-    """1/sqrt(d') for "d_prime", 1/sqrt(d) for "d"."""
-    if kind not in ("d_prime", "d"):
-        raise ValueError(f"scale {kind!r} must be 'd_prime' or 'd'")
-    return 1.0 / math.sqrt(d_prime if kind == "d_prime" else d)
-
-
-def projected_logits(projection, query, keys, scale: float | None = None):
-    """(B, L) F(q).F(k_j) * scale up to a per-query constant, as u.k_j with u = W^T F(q):
-    O(L d) per query. ``scale`` None: 1/sqrt(d')."""
-    proj = as_affine(projection).to(query.dtype)
-    scale = 1.0 / math.sqrt(proj.W.shape[0]) if scale is None else scale
-    return torch.einsum("bd,bld->bl", proj.query_vector(query), keys) * scale
-
-
-def save_projections(projections, path, meta: Mapping | None = None) -> None:
-    """Safetensors with ``layer{l}.W`` (d', d) and, with a bias, ``layer{l}.b``; JSON metadata."""
-    projections = {layer: as_affine(p) for layer, p in projections.items()}
-    first = projections[min(projections)]
-    meta = {
-        **(meta or {}),
-        "d_prime": first.W.shape[0],
-        "head_dim": first.W.shape[1],
-        "layers": sorted(projections),
-        "bias": first.b is not None,
-    }
-    tensors = {}
-    for layer, p in projections.items():
-        tensors[f"layer{layer}.W"] = p.W.contiguous()
-        if p.b is not None:
-            tensors[f"layer{layer}.b"] = p.b.contiguous()
-    _save_atomic(tensors, path, _metadata(meta))
-
-
-def load_projections(path):
-    """({layer: Affine}, meta) as written by :func:`save_projections`."""
-    parts: dict[int, dict[str, torch.Tensor]] = {}
-    for name, tensor in load_file(str(path)).items():
-        layer, part = name.split(".")
-        parts.setdefault(int(layer.removeprefix("layer")), {})[part] = tensor
-    projections = {layer: Affine(p["W"], p.get("b")) for layer, p in sorted(parts.items())}
-    return projections, _read_metadata(path)
-
-
-# ---- training instances and pairs ---------------------------------------------------------------
-
-# Key vectors gathered at once when building pairs (instances x keys x d).
 GATHER_ELEMENTS = 1 << 24
 
 
@@ -596,10 +438,13 @@ def fit_layer(layer_capture, objective: str, d_prime: int, hparams=None, seed: i
     instances = build_instances(layer_capture, st, generator)
     pairs = None
     if obj.kind == "list":
-        if st.pair_mode != "extreme":
+        # A list objective compares every pair of its list: pair_mode "all" says so (Figure 4 (a)
+        # runs it beside the pairwise objectives), "extreme" is the default; "halves" and
+        # "distance" pick pairs, which a list objective has no use for.
+        if st.pair_mode not in ("extreme", "all"):
             raise ValueError(
-                f"{objective} uses every key of its list; Appendix B's 'all key pairs' for the listwise "
-                "term is num_sampled_keys, other pair modes apply to pairwise objectives only"
+                f"{objective} uses every pair of its key list; Appendix B's 'all key pairs' for the listwise "
+                "term is num_sampled_keys, the pair modes halves and distance apply to pairwise objectives only"
             )
         items = len(instances)
     else:
@@ -706,62 +551,6 @@ def attention_fidelity(capture, projections, *, causal: bool = False, scale: str
 # ---- file-level steps, one per workflow rule (workflow_scripts/*.py call these) -------------
 
 
-def document_windows(tokenizer, texts, seq_len: int, n_sequences: int, add_special_tokens: bool = False):
-    """(n_sequences, seq_len) token windows: the first seq_len tokens of each document, as in
-    seed 003 section 3.3 (first 4096 tokens of each chapter long enough), then the next
-    non-overlapping window of each document in turn if there are fewer documents than
-    sequences. Documents shorter than seq_len are skipped. The authors tokenise without
-    special tokens (``add_special_tokens=False``).
-    """
-    per_document = []
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-        windows = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
-        if windows:
-            per_document.append(windows)
-    rounds = max((len(w) for w in per_document), default=0)
-    picked = [w[r] for r in range(rounds) for w in per_document if r < len(w)][:n_sequences]
-    if len(picked) < n_sequences:
-        raise ValueError(
-            f"the documents hold only {len(picked)} windows of {seq_len} tokens, need {n_sequences}"
-        )
-    return torch.tensor(picked, dtype=torch.long)
-
-
-def _is_dimattn_directory(source) -> bool:
-    config = Path(str(source)) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == "dimattn"
-
-
-def capture_to_file(source, documents, seq_len: int, n_sequences: int, out_path, model_name: str,
-                    device: str = "cpu", batch_size: int = 1, hparams=None) -> dict:  # fmt: skip
-    """Load the frozen model and tokenizer at ``source`` (our run directory or a hub name),
-    capture q/k/v on windows of the jsonl ``documents`` and save them; returns the metadata.
-
-    ``hparams`` (the fit hparams, with ``preset``) give ``capture_dtype`` and ``special_tokens``.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .data import read_documents
-
-    settings = resolve_settings(None, hparams)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    # Remote code only for our own run directories; a hub model loads with transformers' own
-    # classes (Llama, Qwen2, ...) and never runs code from the hub.
-    ours = _is_dimattn_directory(source)
-    dtype = torch.float32 if settings.capture_dtype == "float32" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=ours, dtype=dtype).to(device).eval()
-    texts = (doc["text"] for doc in read_documents(documents))
-    ids = document_windows(tokenizer, texts, seq_len, n_sequences, settings.special_tokens)
-    capture = capture_qkv(model, ids, batch_size=batch_size)
-    meta = {
-        "model": model_name, "source": str(source), "documents": str(documents),
-        "capture_dtype": settings.capture_dtype, "special_tokens": settings.special_tokens,
-    }  # fmt: skip
-    save_capture(capture, out_path, meta)
-    return _read_metadata(out_path)
-
-
 def fit_to_file(capture_path, objective: str, d_prime: int, hparams, out_path, device: str = "cpu") -> None:
     """Fit one projection per captured layer and save it with its settings in the metadata.
 
@@ -786,59 +575,54 @@ def fit_to_file(capture_path, objective: str, d_prime: int, hparams, out_path, d
 
 
 def fidelity_to_file(capture_path, projections_path, out_csv, model_name: str, objective: str, d_prime: int,
-                     device: str | None = None, scale: str = "train") -> list[dict]:  # fmt: skip
-    """Per-layer KL and MSE on the evaluation capture, as a CSV with columns
-    model, objective, d_prime, head_dim, layer, kl, mse, seed (the fit's).
+                     setting: str = "default", device: str | None = None) -> list[dict]:  # fmt: skip
+    """Per-layer attention fidelity on the evaluation capture, as a CSV with
+    dimattn.reporting.summaries.FIDELITY_COLUMNS.
 
-    causal and mse_head_chunk come from the projection's settings; ``scale`` "train" scores at
-    its train_scale (Table 1), "inference" at its inference_scale.
+    kl, mse: at the projection's train_scale (Table 1); kl_inference, mse_inference: at its
+    inference_scale, what the model sees once the projection replaces attention (equal to kl,
+    mse when the two scales agree). causal and mse_head_chunk come from the fit's settings;
+    ``setting`` names them (dimattn.sweeps.setting_name).
     """
-    if scale not in ("train", "inference"):
-        raise ValueError(f"scale={scale!r} must be 'train' or 'inference'")
+    from .reporting.summaries import FIDELITY_COLUMNS
+
     capture, meta = load_capture(capture_path)
     projections, pmeta = load_projections(projections_path)
     settings = resolve_settings(None, pmeta.get("settings"))
-    rows = attention_fidelity(
-        capture, projections, causal=settings.causal, mse_head_chunk=settings.mse_head_chunk, device=device,
-        scale=settings.train_scale if scale == "train" else settings.inference_scale,
-    )  # fmt: skip
-    seed = int(pmeta.get("seed", 0))
+
+    def score(scale):
+        return attention_fidelity(capture, projections, causal=settings.causal, scale=scale,
+                                  mse_head_chunk=settings.mse_head_chunk, device=device)  # fmt: skip
+
+    train = score(settings.train_scale)
+    inference = train if settings.inference_scale == settings.train_scale else score(settings.inference_scale)
+    fit = {"model": model_name, "objective": objective, "setting": setting, "d_prime": d_prime,
+           "head_dim": meta["head_dim"], "seed": int(pmeta.get("seed", 0))}  # fmt: skip
     rows = [
-        {"model": model_name, "objective": objective, "d_prime": d_prime, "head_dim": meta["head_dim"], **row,
-         "seed": seed}
-        for row in rows
+        fit | {"layer": t["layer"], "kl": t["kl"], "mse": t["mse"], "kl_inference": i["kl"], "mse_inference": i["mse"]}
+        for t, i in zip(train, inference, strict=True)
     ]
     with atomic_file(Path(out_csv)) as tmp, open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["model", "objective", "d_prime", "head_dim", "layer", "kl", "mse", "seed"])
+        writer = csv.DictWriter(f, fieldnames=FIDELITY_COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     return rows
 
 
 __all__ = [
-    "CAPTURE_IMPLEMENTATION",
     "PRESETS",
-    "Affine",
     "FitSettings",
     "Instances",
     "Pairs",
-    "as_affine",
     "attention_fidelity",
     "build_instances",
     "build_pairs",
-    "capture_qkv",
-    "capture_to_file",
-    "document_windows",
     "fidelity_to_file",
     "fit_layer",
     "fit_projections",
     "fit_to_file",
     "load_capture",
-    "load_projections",
-    "logit_scale",
     "objective_loss",
-    "projected_logits",
     "resolve_settings",
     "save_capture",
-    "save_projections",
 ]

@@ -21,6 +21,71 @@ SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 SYNTHETIC_SOURCES = {"synthetic_recall"}
 
 
+# DimPO fits: Table 1's grid is the study "table1" at the setting "default" (dimpo.hparams as
+# they are); dimpo.ablations adds studies whose settings apply over dimpo.hparams.
+MAIN_STUDY = "table1"
+DEFAULT_SETTING = "default"
+CAPTURE_FIELDS = ("capture_dtype", "special_tokens")  # set per capture, so never per fit
+
+
+def setting_name(overrides: dict) -> str:
+    """The name (and path component) of a fit setting: "default" for none, else
+    "key=value,..." in the given order, values as JSON ("k=64,lam=0.5", "causal=true")."""
+    if not overrides:
+        return DEFAULT_SETTING
+    return ",".join(f"{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in overrides.items())
+
+
+def parse_setting(name: str) -> dict:
+    """The overrides of :func:`setting_name`'s ``name``."""
+    if name == DEFAULT_SETTING:
+        return {}
+    out = {}
+    for part in name.split(","):
+        key, _, value = part.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One DimPO fit of a study, for every dimpo model and seed; ``order``: the setting's place
+    in its study's list (the rows of the quirk table follow it)."""
+
+    study: str
+    order: int
+    objective: str
+    setting: str
+    d_prime: int
+
+
+# lm-eval's RULER subtasks (0.4.13), the 13 of seed 003's RULER average. Their data generation
+# never ends for ruler_vt below ~2048 tokens (its example alone is ~500) and divides by zero in
+# ruler_cwe, so every length asked of them is at least RULER_MIN_LENGTH.
+RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+               "niah_multikey_3", "niah_multiquery", "niah_multivalue", "ruler_vt", "ruler_cwe", "ruler_fwe",
+               "ruler_qa_squad", "ruler_qa_hotpot")  # fmt: skip
+RULER_MIN_LENGTH = 2048
+BASE_OBJECTIVE = "base"  # the unprojected model (l = 0) among the downstream scores
+NO_KV = "none"  # no KV-cache compression
+
+
+@dataclass(frozen=True)
+class Projected:
+    """One projected model of dimpo.downstream, for every dimpo model: Table 1's fit of
+    ``objective`` at ``d_prime`` (its first setting and seed) on the last ``num_projected``
+    layers, with the KV compression ``kv`` (a name of dimpo.downstream.kv, or "none"). The base
+    model is objective "base", d' 0, l 0."""
+
+    objective: str
+    d_prime: int
+    num_projected: int
+    kv: str
+
+
 class ConfigError(ValueError):
     def __init__(self, key: str, message: str):
         super().__init__(f"config key {key}: {message}")
@@ -130,6 +195,63 @@ class Plan:
     @property
     def dimpo_enabled(self) -> bool:
         return bool(self.dimpo_models)
+
+    @property
+    def dimpo_fits(self) -> list[Fit]:
+        """Table 1's grid, then each study of dimpo.ablations; a fit in two studies is listed twice."""
+        fits = []
+        for study, spec in {MAIN_STUDY: self.dimpo, **self.dimpo["ablations"]}.items():
+            fits += [
+                Fit(study, order, objective, setting_name(overrides), d)
+                for order, overrides in enumerate(spec["settings"])
+                for objective in spec["objectives"]
+                for d in spec["d_prime"]
+            ]
+        return fits
+
+    @property
+    def dimpo_studies(self) -> tuple[str, ...]:
+        """The studies fitted (reporting.outputs.Asked.dimpo), and "downstream" where projected
+        models are scored: none without DimPO models."""
+        if not self.dimpo_enabled:
+            return ()
+        return tuple(dict.fromkeys(f.study for f in self.dimpo_fits)) + (("downstream",) if self.dimpo_projected else ())
+
+    @property
+    def downstream(self) -> dict:
+        return self.dimpo["downstream"]
+
+    @property
+    def dimpo_projected(self) -> list[Projected]:
+        """The models dimpo.downstream scores: the base model, then every objective x d' x l,
+        each without and with every KV compression."""
+        ds = self.downstream
+        if not (self.dimpo_enabled and ds["objectives"]):
+            return []
+        kvs = [{"name": NO_KV}] + ds["kv"]
+        return [Projected(BASE_OBJECTIVE, 0, 0, kv["name"]) for kv in kvs] + [
+            Projected(objective, d, l, kv["name"])
+            for objective in ds["objectives"]
+            for d in ds["d_prime"]
+            for l in ds["num_projected"]
+            for kv in kvs
+            if objective in kv.get("objectives", [objective]) and l in kv.get("num_projected", [l])
+        ]
+
+    def kv_settings(self, name: str) -> dict:
+        """{"kivi": {...}} or {"snapkv": {...}} of a dimpo.downstream.kv name; {} for "none"."""
+        if name == NO_KV:
+            return {}
+        spec = next(k for k in self.downstream["kv"] if k["name"] == name)
+        return {method: spec[method] for method in ("kivi", "snapkv") if method in spec}
+
+    @property
+    def dimpo_settings(self) -> dict[str, dict]:
+        """{setting name: its overrides of dimpo.hparams}."""
+        settings = {}
+        for spec in [self.dimpo, *self.dimpo["ablations"].values()]:
+            settings |= {setting_name(o): o for o in spec["settings"]}
+        return settings
 
 
 def plan(config: dict) -> Plan:
@@ -244,7 +366,66 @@ def check_references(p: Plan) -> None:
         if run.model["attention"] != "vanilla":
             raise ConfigError(key, "DimPO projects a frozen vanilla model")
         head_dim = run.model["hidden_size"] // run.model["num_attention_heads"]
-        too_wide = [d for d in p.dimpo["d_prime"] if d > head_dim]
-        if too_wide:
-            raise ConfigError("dimpo.d_prime",
-                              f"{too_wide[0]} exceeds the head dimension {head_dim} of run {spec['run']!r}")
+        depth = [l for l in p.downstream["num_projected"] if l > run.model["num_hidden_layers"]]
+        if depth and p.downstream["objectives"]:
+            raise ConfigError("dimpo.downstream.num_projected",
+                              f"l={depth[0]} exceeds the {run.model['num_hidden_layers']} layers of run {spec['run']!r}")
+        widths = {"dimpo.d_prime": p.dimpo["d_prime"]} | {
+            f"dimpo.ablations.{study}.d_prime": a["d_prime"] for study, a in p.dimpo["ablations"].items()
+        }
+        for width_key, d_primes in widths.items():
+            too_wide = [d for d in d_primes if d > head_dim]
+            if too_wide:
+                raise ConfigError(width_key,
+                                  f"{too_wide[0]} exceeds the head dimension {head_dim} of run {spec['run']!r}")
+    _check_downstream(p)
+    studies = {"dimpo": p.dimpo} | {f"dimpo.ablations.{s}": a for s, a in p.dimpo["ablations"].items()}
+    for prefix, spec in studies.items():
+        seen = {}
+        for i, overrides in enumerate(spec["settings"]):
+            key = f"{prefix}.settings[{i}]"
+            capture = [f for f in CAPTURE_FIELDS if f in overrides]
+            if capture:
+                raise ConfigError(key, f"{capture[0]} is a capture setting, shared by every fit of a model: "
+                                       "set it in dimpo.hparams")
+            name = setting_name(overrides)
+            if name in seen:
+                raise ConfigError(key, f"repeats settings[{seen[name]}] ({name})")
+            seen[name] = i
+
+
+def _check_downstream(p: Plan) -> None:
+    ds = p.downstream
+    if not ds["objectives"]:
+        return
+    for key in ("d_prime", "num_projected"):
+        if not ds[key]:
+            raise ConfigError(f"dimpo.downstream.{key}", "required when dimpo.downstream.objectives names one")
+    for key in ("objectives", "d_prime"):
+        unknown = [v for v in ds[key] if v not in p.dimpo[key]]
+        if unknown:
+            raise ConfigError(f"dimpo.downstream.{key}",
+                              f"{unknown[0]!r} is not fitted (dimpo.{key}: {p.dimpo[key]})")
+    ruler = [t["name"] for t in ds["tasks"] if t["name"] in RULER_TASKS]
+    short = [n for n in ds["metadata"].get("max_seq_lengths", []) if n < RULER_MIN_LENGTH]
+    if ruler and (short or not ds["metadata"].get("max_seq_lengths")):
+        raise ConfigError("dimpo.downstream.metadata.max_seq_lengths",
+                          f"RULER tasks ({ruler[0]}, ...) need lengths of at least {RULER_MIN_LENGTH}, got "
+                          f"{ds['metadata'].get('max_seq_lengths')}: shorter, ruler_vt never ends")
+    names = [k["name"] for k in ds["kv"]]
+    for i, spec in enumerate(ds["kv"]):
+        key = f"dimpo.downstream.kv[{i}]"
+        for name in ("objectives", "num_projected"):
+            stray = [v for v in spec.get(name, []) if v not in ds[name]]
+            if stray:
+                raise ConfigError(f"{key}.{name}", f"{stray[0]!r} is not in dimpo.downstream.{name}")
+        if spec["name"] in names[:i] or spec["name"] == NO_KV:
+            raise ConfigError(f"{key}.name", f"{spec['name']!r} is taken")
+        if "snapkv" in spec:
+            window = spec["snapkv"]["window"]
+            if spec["snapkv"]["budget"] <= window:
+                raise ConfigError(f"{key}.snapkv.budget", f"{spec['snapkv']['budget']} must exceed the window, {window}")
+        if "kivi" in spec:
+            group, residual = spec["kivi"]["group_size"], spec["kivi"]["residual"]
+            if residual % group:
+                raise ConfigError(f"{key}.kivi.residual", f"{residual} is not a multiple of group_size {group}")

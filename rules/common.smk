@@ -91,13 +91,39 @@ def gpu_count():
 
 
 def dimpo_model_dir(wildcards):
+    """Our run's directory, or for a hub model the prefetch marker (its files in the HF cache)."""
     spec = PLAN.dimpo_models[wildcards.model]
-    return paths.model(spec["run"]) if "run" in spec else []
+    return paths.model(spec["run"]) if "run" in spec else paths.prefetched()
 
 
 def dimpo_model_source(wildcards):
     spec = PLAN.dimpo_models[wildcards.model]
     return paths.model(spec["run"]) if "run" in spec else spec["hub"]
+
+
+def projected_input(wildcards):
+    """The projection a projected model applies: Table 1's fit (its first setting and seed);
+    none for the base model."""
+    if wildcards.objective == sweeps.BASE_OBJECTIVE:
+        return []
+    setting = sweeps.setting_name(PLAN.dimpo["settings"][0])
+    return paths.projection(wildcards.model, wildcards.objective, setting, wildcards.d_prime, PLAN.dimpo["seeds"][0])
+
+
+def projected_tokens(wildcards):
+    """Held-out tokens for a projected model's perplexity: our corpora, for our own runs only
+    (a hub model has its own tokenizer)."""
+    if "run" not in PLAN.dimpo_models[wildcards.model]:
+        return []
+    return [paths.tokens(d, "test") for d in PLAN.perplexity_datasets]
+
+
+def downstream_files():
+    return [
+        paths.downstream(model, p.objective, p.d_prime, p.num_projected, p.kv)
+        for model in PLAN.dimpo_models
+        for p in PLAN.dimpo_projected
+    ]
 
 
 # --- raw outputs, by what reads them -----------------------------------------------------------
@@ -148,11 +174,13 @@ def lm_eval_data_files():
     ]
 
 
-def fidelity_files():
-    return [
-        paths.fidelity(model, objective, d_prime, seed)
-        for model in PLAN.dimpo_models
-        for objective in PLAN.dimpo["objectives"]
-        for d_prime in PLAN.dimpo["d_prime"]
-        for seed in PLAN.dimpo["seeds"]
-    ]
+def fidelity_studies():
+    """{fidelity CSV: [[study, order], ...]}: every DimPO fit of every model and seed, with the
+    studies (Table 1's grid, dimpo.ablations) it belongs to."""
+    studies = {}
+    for fit in PLAN.dimpo_fits:
+        for model in PLAN.dimpo_models:
+            for seed in PLAN.dimpo["seeds"]:
+                path = paths.fidelity(model, fit.objective, fit.setting, fit.d_prime, seed)
+                studies.setdefault(path, []).append([fit.study, fit.order])
+    return studies

@@ -2,6 +2,27 @@
 # shared query/key projection per layer and objective and d', and score its attention fidelity.
 
 
+# Hub models and lm-eval task data come from the network: this job runs where Snakemake runs
+# (the SLURM login node), so that compute nodes run offline (HF_HUB_OFFLINE=1).
+localrules:
+    prefetch,
+
+
+rule prefetch:
+    output:
+        paths.prefetched(),
+    log:
+        paths.log("dimpo", "prefetch"),
+    conda:
+        "../envs/lm_eval.yaml"
+    params:
+        models=[m["hub"] for m in PLAN.dimpo["models"] if "hub" in m],
+        tasks=PLAN.downstream["tasks"] if PLAN.dimpo_projected else [],
+        metadata=PLAN.downstream["metadata"],
+    script:
+        "../workflow_scripts/prefetch.py"
+
+
 rule capture_qkv:
     input:
         model=dimpo_model_dir,
@@ -39,13 +60,14 @@ rule fit_projection:
         fit=paths.capture("{model}", "fit"),
         eval=paths.capture("{model}", "eval"),
     output:
-        projections=paths.projection("{model}", "{objective}", "{d_prime}", "{seed}"),
-        fidelity=paths.fidelity("{model}", "{objective}", "{d_prime}", "{seed}"),
+        projections=paths.projection("{model}", "{objective}", "{setting}", "{d_prime}", "{seed}"),
+        fidelity=paths.fidelity("{model}", "{objective}", "{setting}", "{d_prime}", "{seed}"),
     log:
-        paths.log("dimpo", "fit_{model}_{objective}_d{d_prime}_s{seed}"),
+        paths.log("dimpo", "fit_{model}_{objective}_{setting}_d{d_prime}_s{seed}"),
     benchmark:
-        paths.bench("fit_projection", "fit_{model}_{objective}_d{d_prime}_s{seed}")
+        paths.bench("fit_projection", "fit_{model}_{objective}_{setting}_d{d_prime}_s{seed}")
     wildcard_constraints:
+        setting=r"[^/]+",
         d_prime=r"\d+",
         seed=r"\d+",
     conda:
@@ -56,7 +78,68 @@ rule fit_projection:
         mem_mb=dimpo_resource("mem_mb"),
         gpu=gpu_count(),
     params:
-        hparams=lambda wc: PLAN.dimpo["hparams"] | {"seed": int(wc.seed)},
+        hparams=lambda wc: PLAN.dimpo["hparams"] | {"seed": int(wc.seed), "setting": PLAN.dimpo_settings[wc.setting]},
         device=PLAN.config["device"],
     script:
         "../workflow_scripts/fit_projection.py"
+
+
+# dimpo.downstream: Table 1's projections at work. A projected model is a model directory
+# (dimattn.modeling_projected) that lm-eval's `hf` model loads; the base model (objective
+# "base", l = 0) is one too, so that KV compression applies to it alike.
+rule project_model:
+    input:
+        base=dimpo_model_dir,
+        projections=projected_input,
+    output:
+        directory(paths.projected_model("{model}", "{objective}", "{d_prime}", "{l}", "{kv}")),
+    log:
+        paths.log("dimpo", "project_{model}_{objective}_d{d_prime}_l{l}_{kv}"),
+    benchmark:
+        paths.bench("project_model", "project_{model}_{objective}_d{d_prime}_l{l}_{kv}")
+    wildcard_constraints:
+        d_prime=r"\d+",
+        l=r"\d+",
+    conda:
+        "../envs/torch.yaml"
+    threads: 1
+    resources:
+        runtime=10,
+        mem_mb=2000,
+    params:
+        source=dimpo_model_source,
+        scale=PLAN.downstream["scale"],
+        kv=lambda wc: PLAN.kv_settings(wc.kv),
+    script:
+        "../workflow_scripts/project_model.py"
+
+
+rule score_projected:
+    input:
+        model=paths.projected_model("{model}", "{objective}", "{d_prime}", "{l}", "{kv}"),
+        tokens=projected_tokens,
+        lm_eval_data=lm_eval_data_files(),
+    output:
+        paths.downstream("{model}", "{objective}", "{d_prime}", "{l}", "{kv}"),
+    log:
+        paths.log("dimpo", "score_{model}_{objective}_d{d_prime}_l{l}_{kv}"),
+    benchmark:
+        paths.bench("score_projected", "score_{model}_{objective}_d{d_prime}_l{l}_{kv}")
+    wildcard_constraints:
+        d_prime=r"\d+",
+        l=r"\d+",
+    conda:
+        "../envs/lm_eval.yaml"
+    threads: 1
+    resources:
+        runtime=dimpo_resource("runtime"),
+        mem_mb=dimpo_resource("mem_mb"),
+        gpu=gpu_count(),
+    params:
+        downstream=PLAN.downstream,
+        seq_len=PLAN.dimpo["capture"]["seq_len"],
+        batch_size=PLAN.config["evaluation"]["perplexity"]["batch_size"],
+        corpora=lambda wc: PLAN.perplexity_datasets if "run" in PLAN.dimpo_models[wc.model] else [],
+        device=PLAN.config["device"],
+    script:
+        "../workflow_scripts/score_projected.py"

@@ -9,7 +9,7 @@ from dimattn.reporting import outputs
 REPORT_ASKS = dict(
     runs=[run.fields for run in PLAN.runs.values()],
     lm_eval=bool(PLAN.lm_eval_runs),
-    dimpo=PLAN.dimpo_enabled,
+    dimpo=PLAN.dimpo_studies,
 )
 SUMMARIES = outputs.wanted_summaries(**REPORT_ASKS)
 REPORTED = outputs.wanted(**REPORT_ASKS)
@@ -98,13 +98,34 @@ rule summarize_recall:
 
 rule summarize_fidelity:
     input:
-        fidelity_files(),
+        list(fidelity_studies()),
     output:
         paths.summary("dimpo_fidelity"),
     log:
         paths.log("report", "summarize_fidelity"),
     benchmark:
         paths.bench("summarize_fidelity", "summarize_fidelity")
+    conda:
+        "../envs/report.yaml"
+    threads: 1
+    resources:
+        runtime=5,
+        mem_mb=1000,
+    params:
+        studies=fidelity_studies(),
+    script:
+        "../workflow_scripts/summarize.py"
+
+
+rule summarize_downstream:
+    input:
+        downstream_files(),
+    output:
+        paths.summary("dimpo_downstream"),
+    log:
+        paths.log("report", "summarize_downstream"),
+    benchmark:
+        paths.bench("summarize_downstream", "summarize_downstream")
     conda:
         "../envs/report.yaml"
     threads: 1

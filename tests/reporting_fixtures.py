@@ -173,18 +173,23 @@ def fit_factor(objective: str, seed: int) -> float:
     return 1 + FIT_SWING.get(objective, 1) * (FIT_SEED_FACTOR[seed] - 1)
 
 
-def write_fidelity_csvs(root: Path, setting: str | None = None, seeds=None) -> list[Path]:
-    """A fidelity CSV per (objective, d'); with ``seeds``, one per seed too (``_s<seed>``, a
-    ``seed`` column, values times ``fit_factor``); without, no seed column."""
+def write_fidelity_csvs(root: Path, setting: str = "default", seeds=(0,), objectives=None, d_primes=None,
+                        folder: str = "dimpo") -> list[Path]:  # fmt: skip
+    """A fidelity CSV per (objective, d', seed) in the format of dimattn.projections.fidelity_to_file;
+    seed s multiplies seed 0's KL and MSE by ``fit_factor``. ``setting`` applies to DimPO's fits;
+    the inference-scale columns are 1.5 x KL and MSE."""
     rng = np.random.default_rng(0)
     paths_ = []
     for objective, (kl0, mse0) in FIDELITY_SCALE.items():
-        for d_prime in D_PRIMES:
+        if objectives is not None and objective not in objectives:
+            continue
+        for d_prime in D_PRIMES if d_primes is None else d_primes:
             shrink = (HEAD_DIM / d_prime) ** (0.1 if objective == "random" else 0.35)
             rows = [
                 {
                     "model": "tiny_vanilla_d128",
                     "objective": objective,
+                    "setting": setting if objective == "dimpo" else "default",
                     "d_prime": d_prime,
                     "head_dim": HEAD_DIM,
                     "layer": layer,
@@ -194,17 +199,67 @@ def write_fidelity_csvs(root: Path, setting: str | None = None, seeds=None) -> l
                 for layer in range(N_LAYERS)
             ]
             frame = pd.DataFrame(rows)
-            if setting is not None and objective == "dimpo":
-                frame["setting"] = setting
-            for seed in [None] if seeds is None else seeds:
-                fit = frame
-                if seed is not None:
-                    factor = fit_factor(objective, seed)
-                    fit = frame.assign(kl=frame["kl"] * factor, mse=frame["mse"] * factor, seed=seed)
-                path = root / "dimpo" / f"{objective}_d{d_prime}{'' if seed is None else f'_s{seed}'}.csv"
+            for seed in seeds:
+                factor = fit_factor(objective, seed)
+                fit = frame.assign(kl=frame["kl"] * factor, mse=frame["mse"] * factor, seed=seed)
+                fit = fit.assign(kl_inference=1.5 * fit["kl"], mse_inference=1.5 * fit["mse"])
+                path = root / folder / f"{objective}_{fit['setting'].iloc[0]}_d{d_prime}_s{seed}.csv"
                 path.parent.mkdir(parents=True, exist_ok=True)
-                fit.to_csv(path, index=False)
+                fit[summaries.FIDELITY_COLUMNS].to_csv(path, index=False)
                 paths_.append(path)
+    return paths_
+
+
+# DimPO studies beside Table 1's grid (dimpo.ablations): study -> (settings, d') of DimPO fits.
+STUDIES = {
+    "quirks": (["preset=authors", "preset=authors,causal=true", "preset=ours"], [4]),
+    "table6": (["k=0,lam=0", "k=64,lam=1", "k=64,lam=2"], [16]),
+    "figure4a": (["pair_mode=all,num_sampled_keys=2", "pair_mode=all,num_sampled_keys=8"], [4]),
+    "figure4b": (["pair_mode=halves,num_pairs=1", "pair_mode=halves,num_pairs=4"], [4]),
+    "figure4c": (["pair_mode=distance,pair_distance=1", "pair_mode=distance,pair_distance=64"], [4]),
+}
+
+
+def write_fidelity_summary(root: Path, summary: Path, seeds=(0,)) -> Path:
+    """The fidelity summary of Table 1's grid and every study of STUDIES, as summarize_fidelity
+    writes it from the workflow's per-fit CSVs."""
+    csvs = write_fidelity_csvs(root, seeds=seeds)
+    studies = {}
+    for study, (settings, d_primes) in STUDIES.items():
+        for order, setting in enumerate(settings):
+            for path in write_fidelity_csvs(root, setting=setting, seeds=seeds, objectives=["dimpo"],
+                                            d_primes=d_primes, folder=f"{study}{order}"):  # fmt: skip
+                csvs.append(path)
+                studies[str(path)] = [[study, order]]
+    out = summary_path(summary, "dimpo_fidelity")
+    summaries.summarize_fidelity(csvs, out, studies=studies)
+    return out
+
+
+# Downstream scores of projected models (dimattn.evaluation.score_projected): per objective, the
+# next-line accuracy and perplexity at l = 0 (base), 2 and 4 of 4 layers.
+DOWNSTREAM = {
+    ("base", 0): (0.40, 50.0),
+    ("pca", 2): (0.36, 60.0), ("pca", 4): (0.30, 80.0),
+    ("kl", 2): (0.39, 52.0), ("kl", 4): (0.37, 55.0),
+    ("dimpo", 2): (0.40, 51.0), ("dimpo", 4): (0.38, 54.0),
+}  # fmt: skip
+
+
+def write_downstream_jsons(root: Path) -> list[Path]:
+    paths_ = []
+    for (objective, l), (acc, ppl) in DOWNSTREAM.items():
+        record = {
+            "model": "tiny_vanilla_d128", "objective": objective, "d_prime": 0 if objective == "base" else 8,
+            "num_projected": l, "n_layers": 4, "scale": "d_prime", "kv": "none",
+            "perplexity": {"shakespeare": {"ppl": ppl, "loss": math.log(ppl), "n_tokens": 1000}},
+            "results": {"dimattn_next_line": {"alias": "dimattn_next_line", "acc,none": acc, "acc_stderr,none": 0.02}},
+            "num_fewshot": {"dimattn_next_line": 0},
+        }  # fmt: skip
+        path = root / "downstream" / f"{objective}-l{l}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+        paths_.append(path)
     return paths_
 
 

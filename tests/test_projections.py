@@ -11,25 +11,22 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dimattn import DimAttnConfig, DimAttnForCausalLM
+from dimattn.affine import Affine, load_projections, projected_logits, save_projections
+from dimattn.capture import capture_qkv
 from dimattn.objectives import OBJECTIVES, kl_loss, pca_projection, random_projection
 from dimattn.projections import (
     PRESETS,
-    Affine,
     FitSettings,
     attention_fidelity,
     build_instances,
     build_pairs,
-    capture_qkv,
     fit_layer,
     fit_projections,
     initial_projection,
     load_capture,
-    load_projections,
     objective_loss,
-    projected_logits,
     resolve_settings,
     save_capture,
-    save_projections,
 )
 
 
@@ -157,6 +154,17 @@ def test_resolve_settings_precedence():
         resolve_settings("kl", {"init": "xavier"})
     with pytest.raises(ValueError, match="causal"):
         resolve_settings("kl", {"num_sampled_keys": 4, "causal": True})
+
+
+def test_a_study_setting_applies_last_and_may_switch_the_preset():
+    """dimpo.ablations settings: over hparams and per_objective, their preset replacing the base one."""
+    hparams = {"preset": "ours", "n_instances": 64, "per_objective": {"dimpo": {"lr": 1e-3, "max_preferred": 64}}}
+    st = resolve_settings("dimpo", hparams | {"setting": {"preset": "authors", "max_preferred": None}})
+    assert (st.preset, st.pca_fit, st.shuffle, st.inference_scale) == ("authors", "last", False, "d")
+    assert (st.n_instances, st.lr, st.max_preferred) == (64, 1e-3, None)  # hparams kept, the setting last
+    st = resolve_settings("dimpo", hparams | {"setting": {"k": 8, "lam": 2}})
+    assert (st.preset, st.k, st.lam, st.max_preferred) == ("ours", 8, 2, 64)
+    assert resolve_settings("dimpo", hparams | {"setting": {}}) == resolve_settings("dimpo", hparams)
 
 
 # ---- instances and pairs --------------------------------------------------------------------------
@@ -287,6 +295,10 @@ def test_fit_rejects_unknown_names_and_list_pair_modes(capture):
         fit_layer(capture[0], "kl", 4, {"learning_rate": 1.0})
     with pytest.raises(ValueError, match="num_sampled_keys"):
         fit_layer(capture[0], "dimpo", 4, {**FAST, "pair_mode": "halves"})
+    # "all" is what a list objective does anyway: the same fit as the default "extreme".
+    same = [fit_layer(capture[0], "dimpo_list", 4, {**FAST, "pair_mode": mode, "num_sampled_keys": 6}, seed=1,
+                      progress=False) for mode in ("extreme", "all")]  # fmt: skip
+    assert torch.equal(same[0][0].W, same[1][0].W)  # (projection, history)
 
 
 def test_training_kl_is_the_fidelity_kl_at_those_queries(capture):
@@ -430,7 +442,8 @@ def test_capture_selected_layers_and_fit_on_it():
 
 def test_file_steps_end_to_end(tmp_path):
     from dimattn.data import train_tokenizer, write_documents
-    from dimattn.projections import capture_to_file, fidelity_to_file, fit_to_file
+    from dimattn.capture import capture_to_file
+    from dimattn.projections import fidelity_to_file, fit_to_file
 
     words = "to be or not that is the question whether tis nobler in mind suffer".split()
     g = torch.Generator().manual_seed(0)
@@ -464,21 +477,23 @@ def test_file_steps_end_to_end(tmp_path):
     assert wmeta["settings"]["lr"] == 1e-2 and wmeta["settings"]["steps"] == 10 and len(wmeta["history"]["0"]) == 10
     assert projections[0].b.shape == (4,)
     rows = fidelity_to_file(
-        tmp_path / "capture.safetensors", tmp_path / "W.safetensors", tmp_path / "f.csv", "tiny", "kl", 4
-    )
+        tmp_path / "capture.safetensors", tmp_path / "W.safetensors", tmp_path / "f.csv", "tiny", "kl", 4,
+        setting="k=4,lam=0.5",
+    )  # fmt: skip
     text = (tmp_path / "f.csv").read_text().splitlines()
-    assert text[0] == "model,objective,d_prime,head_dim,layer,kl,mse,seed" and len(text) == 3
-    assert all(line.endswith(",3") for line in text[1:])  # the fit's seed
+    assert text[0] == "model,objective,setting,d_prime,head_dim,seed,layer,kl,mse,kl_inference,mse_inference"
+    assert len(text) == 3 and all(line.startswith('tiny,kl,"k=4,lam=0.5",4,8,3,') for line in text[1:])
     assert [r["layer"] for r in rows] == [0, 1] and rows[0]["head_dim"] == 8
     capture, _ = load_capture(tmp_path / "capture.safetensors")
-    want = attention_fidelity(capture, projections, causal=False, scale="d_prime", mse_head_chunk=4)
-    assert [r["kl"] for r in rows] == pytest.approx([r["kl"] for r in want])
-    inference = fidelity_to_file(
-        tmp_path / "capture.safetensors", tmp_path / "W.safetensors", tmp_path / "g.csv", "tiny", "kl", 4,
-        scale="inference",
-    )  # fmt: skip
-    want = attention_fidelity(capture, projections, causal=False, scale="d", mse_head_chunk=4)
-    assert [r["kl"] for r in inference] == pytest.approx([r["kl"] for r in want])
+    # Table 1's columns at the train scale (1/sqrt(d')), the inference columns at the authors'
+    # inference scale (1/sqrt(d)): the preset's mismatch, measured.
+    train = attention_fidelity(capture, projections, causal=False, scale="d_prime", mse_head_chunk=4)
+    inference = attention_fidelity(capture, projections, causal=False, scale="d", mse_head_chunk=4)
+    assert [r["kl"] for r in rows] == pytest.approx([r["kl"] for r in train])
+    assert [r["mse"] for r in rows] == pytest.approx([r["mse"] for r in train])
+    assert [r["kl_inference"] for r in rows] == pytest.approx([r["kl"] for r in inference])
+    assert [r["mse_inference"] for r in rows] == pytest.approx([r["mse"] for r in inference])
+    assert all(r["kl_inference"] != pytest.approx(r["kl"]) for r in rows)
     with pytest.raises(ValueError, match="windows"):
         capture_to_file(
             tmp_path / "model",

@@ -4,7 +4,15 @@ import re
 
 import pandas as pd
 import pytest
-from reporting_fixtures import REFERENCE, is_png, summary_path, table_line, write_fidelity_csvs, write_summaries
+from reporting_fixtures import (
+    REFERENCE,
+    is_png,
+    summary_path,
+    table_line,
+    write_fidelity_csvs,
+    write_fidelity_summary,
+    write_summaries,
+)
 
 from dimattn.reporting import outputs, summaries
 
@@ -49,7 +57,73 @@ def test_dimpo_figure_is_a_png(rendered):
 def test_dimpo_table_optional_setting_column(tmp_path):
     summary = tmp_path / "summary"
     path = summary_path(summary, "dimpo_fidelity")
-    summaries.summarize_fidelity(write_fidelity_csvs(tmp_path, setting="k=64,lambda=1"), path)
+    summaries.summarize_fidelity(write_fidelity_csvs(tmp_path, setting="k=64,lam=1"), path)
     table, figure = outputs.render(DIMPO, summary, REFERENCE, tmp_path)
     assert "DimPO ($k{=}64$, $\\lambda{=}1$) & ours" in table.read_text()
     assert is_png(figure)
+
+
+# ---- the studies of dimpo.ablations ----------------------------------------------------------------
+
+STUDY_OUTPUTS = ["tables/dimpo_quirks.tex", "tables/dimpo_ablation.tex", "figures/dimpo_pairs.png"]
+
+
+@pytest.fixture(scope="module")
+def studies(tmp_path_factory):
+    root = tmp_path_factory.mktemp("studies")
+    summary = root / "summary"
+    write_fidelity_summary(root, summary, seeds=(0, 1, 2))
+    written = outputs.render(DIMPO + STUDY_OUTPUTS, summary, REFERENCE, root)
+    return root, summary, {p.name: p for p in written}
+
+
+def test_table1_shows_only_its_own_study(studies):
+    """Ablation fits (DimPO at other settings) stay out of Table 1."""
+    _, _, written = studies
+    tex = written["dimpo_fidelity.tex"].read_text()
+    assert "DimPO & ours" in tex and "preset" not in tex and "k{=}64$, $\\lambda{=}2" not in tex
+
+
+def test_quirks_table_rows_follow_the_config_with_both_scales(studies):
+    _, summary, written = studies
+    tex = written["dimpo_quirks.tex"].read_text()
+    rows = [line for line in tex.splitlines() if line.startswith("preset")]
+    assert [r.split("&")[0].strip() for r in rows] == [
+        "preset = authors", "preset = authors, causal = true", "preset = ours"]
+    fid = pd.read_csv(summary_path(summary, "dimpo_fidelity"))
+    fit = fid[(fid["study"] == "quirks") & (fid["setting"] == "preset=ours")]
+    per_seed = fit.groupby("seed")[["kl", "mse", "kl_inference"]].mean()
+    kl, mse, kl_inf = (cell.strip() for cell in rows[2].rstrip(" \\").split("&")[1:])
+    # Mean over layers, then over seeds, and the seeds' [min, max] beside.
+    assert kl.startswith(f"{per_seed['kl'].mean():.3g}") and f"[{per_seed['kl'].min():.3g}" in kl
+    assert kl_inf.startswith(f"{per_seed['kl_inference'].mean():.3g}")
+    assert "DimPO, $d'{=}4$" in tex and "minimum and maximum" in tex
+
+
+def test_ablation_table_puts_table6_kl_beside_ours(studies):
+    _, summary, written = studies
+    tex = written["dimpo_ablation.tex"].read_text()
+    fid = pd.read_csv(summary_path(summary, "dimpo_fidelity"))
+    k0 = table_line(tex, "DimPO ($k{=}0$, $\\lambda{=}0$)")
+    ours = fid[(fid["study"] == "table6") & (fid["setting"] == "k=0,lam=0")].groupby("seed")["kl"].mean().mean()
+    cells = [c.strip() for c in k0.rstrip(" \\").split("&")]
+    assert cells[1].startswith(f"{ours:.3g}") and cells[2:] == ["0.74", "0.73"]  # Table 6, as printed
+    assert [c.strip() for c in table_line(tex, "DimPO ($k{=}64$, $\\lambda{=}2$)").rstrip(" \\").split("&")][2:] == [
+        "0.56", "0.54"]
+    # Table 1's KL fit at the same d' is the KL row, with the paper's KL beside; no paper row for k = 64, lambda = 1.5.
+    assert [c.strip() for c in table_line(tex, "KL &").rstrip(" \\").split("&")][2:] == ["0.26", "0.27"]
+    assert r"$d'{=}16$" in tex
+
+
+def test_pairs_figure_has_a_panel_per_study(studies):
+    _, _, written = studies
+    assert is_png(written["dimpo_pairs.png"])
+
+
+def test_pairs_figure_names_a_setting_without_its_x(tmp_path):
+    summary = tmp_path / "summary"
+    csvs = write_fidelity_csvs(tmp_path, setting="pair_mode=all", objectives=["dimpo"], d_primes=[4])
+    summaries.summarize_fidelity(csvs, summary_path(summary, "dimpo_fidelity"),
+                                 studies={str(p): [["figure4a", 0]] for p in csvs})  # fmt: skip
+    with pytest.raises(ValueError, match=r"figure4a: setting\(s\) \['pair_mode=all'\] do not set num_sampled_keys"):
+        outputs.render(["figures/dimpo_pairs.png"], summary, REFERENCE, tmp_path)

@@ -5,11 +5,14 @@ import pytest
 from reporting_fixtures import (
     FULL,
     REFERENCE,
+    STUDIES,
     fields,
     is_png,
     replicated,
     summary_path,
+    write_downstream_jsons,
     write_fidelity_csvs,
+    write_fidelity_summary,
     write_full_summaries,
     write_summaries,
 )
@@ -32,8 +35,11 @@ def run(attention, hidden_size=64, synthetic=False, **keys):
     }
 
 
-def wanted(runs, lm_eval=False, dimpo=False):
+def wanted(runs, lm_eval=False, dimpo=()):
     return set(outputs.wanted(runs, lm_eval, dimpo))
+
+
+ALL_STUDIES = ("table1", *STUDIES, "downstream")
 
 
 VANILLA = run("vanilla")
@@ -113,9 +119,16 @@ def test_recall_lm_eval_and_dimpo_outputs():
     assert not wanted([VANILLA, DAR]) & recall
     assert "tables/lm_eval.tex" in wanted([VANILLA], lm_eval=True)
     assert "tables/lm_eval.tex" not in wanted([VANILLA])
-    assert wanted([VANILLA], dimpo=True) == dimpo
+    assert wanted([VANILLA], dimpo=["table1"]) == dimpo
     assert not wanted([VANILLA]) & dimpo
-    assert wanted([], dimpo=True) == dimpo
+    assert wanted([], dimpo=["table1"]) == dimpo
+    # Each study of dimpo.ablations brings its own output; Figure 4's three panels share one.
+    assert wanted([], dimpo=["table1", "quirks"]) == dimpo | {"tables/dimpo_quirks.tex"}
+    assert wanted([], dimpo=["table1", "table6"]) == dimpo | {"tables/dimpo_ablation.tex"}
+    assert wanted([], dimpo=["table1", "figure4c"]) == dimpo | {"figures/dimpo_pairs.png"}
+    assert wanted([], dimpo=ALL_STUDIES[:-1]) == wanted([], dimpo=["table1", "quirks", "table6", "figure4b"])
+    assert wanted([], dimpo=["table1", "downstream"]) == dimpo | {"tables/dimpo_downstream.tex",
+                                                                 "figures/dimpo_downstream.png"}
 
 
 def test_replicates_count_once():
@@ -125,14 +138,14 @@ def test_replicates_count_once():
     runs = [VANILLA, run("dar", window=16, d_down=8), run("dar", window=16, d_down=32), off_main, *replicates]
     assert selection.main_window(runs) == 16  # two settings at w = 16, one (of three runs) at w = 4
     assert "tables/dar_scales.tex" not in wanted(runs)  # d/4 only off the main window
-    assert wanted([fields(s) for s in replicated()], True, True) == wanted([fields(s) for s in FULL], True, True)
+    assert wanted([fields(s) for s in replicated()], True, ALL_STUDIES) == wanted([fields(s) for s in FULL], True, ALL_STUDIES)
 
 
 def test_wanted_summaries():
-    assert outputs.wanted_summaries([VANILLA], False, False) == ["dar_perplexity", "dar_trajectory"]
-    assert outputs.wanted_summaries([run("vanilla", synthetic=True)], True, True) == [
+    assert outputs.wanted_summaries([VANILLA], False, ()) == ["dar_perplexity", "dar_trajectory"]
+    assert outputs.wanted_summaries([run("vanilla", synthetic=True)], True, ["table1"]) == [
         "dar_trajectory", "recall", "lm_eval", "dimpo_fidelity"]
-    assert outputs.wanted_summaries([], False, True) == ["dimpo_fidelity"]
+    assert outputs.wanted_summaries([], False, ["table1"]) == ["dimpo_fidelity"]
 
 
 def test_registry_paths_captions_and_categories():
@@ -145,7 +158,7 @@ def test_registry_paths_captions_and_categories():
     assert list(groups) == ["DAR", "Baselines", "Recall", "lm-eval", "DimPO"]
     assert outputs.reads(groups["Recall"], list(outputs.SUMMARIES)) == ["recall"]
     assert outputs.reads(groups["DAR"], ["dar_perplexity", "dar_trajectory"]) == ["dar_perplexity", "dar_trajectory"]
-    targets = outputs.targets([VANILLA, DAR], False, False)
+    targets = outputs.targets([VANILLA, DAR], False, ())
     assert targets[:2] == ["results/summary/dar_perplexity.csv", "results/summary/dar_trajectory.csv"]
     assert "results/tables/dar_scales.tex" in targets
 
@@ -157,13 +170,14 @@ def test_registry_paths_captions_and_categories():
 def full(tmp_path_factory):
     root = tmp_path_factory.mktemp("full")
     summary = write_full_summaries(root)
-    summaries.summarize_fidelity(write_fidelity_csvs(root), summary_path(summary, "dimpo_fidelity"))
+    write_fidelity_summary(root, summary)
+    summaries.summarize_downstream(write_downstream_jsons(root), summary_path(summary, "dimpo_downstream"))
     return root, summary
 
 
 def test_the_summaries_call_for_what_the_config_called_for(full):
     root, summary = full
-    planned = outputs.wanted([fields(s) for s in FULL], lm_eval=True, dimpo=True)
+    planned = outputs.wanted([fields(s) for s in FULL], lm_eval=True, dimpo=ALL_STUDIES)
     assert planned == list(outputs.OUTPUTS)  # the full sweep has every table and figure
     asked = outputs.runs_in(summary)
     assert outputs.wanted(asked.runs, asked.lm_eval, asked.dimpo) == planned
@@ -182,7 +196,7 @@ def test_without_recall_runs_nothing_recall_is_rendered(tmp_path):
     names = {str(p.relative_to(tmp_path / "results"))
              for p in outputs.render_existing(summary, REFERENCE, tmp_path / "results")}
     assert names == TEXT_OUTPUTS | {"tables/dar_scales.tex", "tables/dar_downstream.tex", "tables/lm_eval.tex"}
-    assert outputs.wanted([fields(s) for s in text_only], lm_eval=True, dimpo=False) == sorted(
+    assert outputs.wanted([fields(s) for s in text_only], lm_eval=True, dimpo=()) == sorted(
         names, key=list(outputs.OUTPUTS).index)
 
 

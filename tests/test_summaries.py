@@ -258,12 +258,29 @@ def test_summarize_trajectory_pairs_replicates_by_seed(tmp_path):
     assert (df["vanilla_seed"] == df["seed"]).all()
 
 
-def test_summarize_fidelity_keeps_its_seed_column(tmp_path):
+def test_summarize_fidelity_orders_fits_by_seed(tmp_path):
     df = summaries.summarize_fidelity(write_fidelity_csvs(tmp_path, seeds=(1, 0)), tmp_path / "f.csv")
-    assert list(df.columns) == summaries.COLUMNS["dimpo_fidelity"] + ["seed"]
+    assert list(df.columns) == summaries.COLUMNS["dimpo_fidelity"]
     first = df[(df["objective"] == "kl") & (df["d_prime"] == 2)]
     assert list(first["seed"]) == [0] * 4 + [1] * 4  # each fit's layers together, seeds in order
     assert first["kl"].iloc[4] == pytest.approx(first["kl"].iloc[0] * FIT_SEED_FACTOR[1])
+
+
+def test_summarize_fidelity_copies_a_fit_into_each_of_its_studies(tmp_path):
+    """A fit in Table 1's grid and in a study (the same setting, d' and seed) has rows in both;
+    a CSV the studies map does not list is Table 1's."""
+    main = write_fidelity_csvs(tmp_path, objectives=["dimpo", "kl"])
+    ablation = write_fidelity_csvs(tmp_path, setting="k=0,lam=0", objectives=["dimpo"], folder="k0")
+    shared = next(p for p in main if p.name.startswith("dimpo_default_d4_"))
+    studies = {str(p): [["table6", 0]] for p in ablation} | {str(shared): [["table1", 0], ["table6", 1]]}
+    df = summaries.summarize_fidelity(main + ablation, tmp_path / "f.csv", studies=studies)
+    table6 = df[df["study"] == "table6"]
+    assert set(zip(table6["setting"], table6["setting_order"])) == {("k=0,lam=0", 0), ("default", 1)}
+    assert set(table6.loc[table6["setting"] == "default", "d_prime"]) == {4}
+    table1 = df[df["study"] == "table1"]
+    assert len(table1) == 2 * len(D_PRIMES) * N_LAYERS and set(table1["setting"]) == {"default"}
+    back = summaries.read(tmp_path / "f.csv", "dimpo_fidelity")
+    assert back["setting"].dtype == "string" and set(back["study"]) == {"table1", "table6"}
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,11 @@ def test_dimpo_resources_come_from_the_schema_alone():
     assert "8000" not in rules and "4000" not in rules
 
 
+def downstream(config, **changes):
+    """A valid dimpo.downstream of the default config, with ``changes``."""
+    config["dimpo"]["downstream"] = {"objectives": ["kl"], "d_prime": [4], "num_projected": [2], **changes}
+
+
 BAD = {
     # schema: types, ranges, unknown keys, required keys
     "unknown variant": (add_sweep({"scale": "tiny", "attention": "sparse"}), "sparse"),
@@ -142,6 +147,41 @@ BAD = {
     "dimpo d_prime > head_dim": (lambda c: c["dimpo"].update(d_prime=[2, 64]), "dimpo.d_prime"),
     "dimpo unknown dataset": (lambda c: c["dimpo"].update(dataset="pile"), "dimpo.dataset"),
     "dimpo without d_prime": (lambda c: c["dimpo"].update(d_prime=[]), "dimpo.d_prime"),
+    "dimpo unknown fit setting": (lambda c: c["dimpo"]["hparams"].update(temperature=2), "temperature"),
+    "dimpo setting of the wrong type": (lambda c: c["dimpo"]["hparams"].update(lr="fast"), "fast"),
+    "ablation unknown study": (lambda c: c["dimpo"]["ablations"].update(table7=c["dimpo"]["ablations"]["quirks"]),
+                               "table7"),
+    "ablation unknown setting": (lambda c: c["dimpo"]["ablations"]["quirks"]["settings"].append({"tau": 1}), "tau"),
+    "ablation unknown preset": (lambda c: c["dimpo"]["ablations"]["quirks"]["settings"].append({"preset": "mine"}),
+                                "mine"),
+    "ablation without settings": (lambda c: c["dimpo"]["ablations"]["quirks"].pop("settings"), "settings"),
+    "ablation capture setting": (
+        lambda c: c["dimpo"]["ablations"]["quirks"]["settings"].append({"capture_dtype": "bfloat16"}),
+        "dimpo.ablations.quirks.settings[12]"),
+    "ablation repeated setting": (
+        lambda c: c["dimpo"]["ablations"]["quirks"]["settings"].append({"preset": "authors", "causal": True}),
+        "dimpo.ablations.quirks.settings[12]: repeats settings[1]"),
+    "ablation d_prime > head_dim": (lambda c: c["dimpo"]["ablations"]["quirks"].update(d_prime=[64]),
+                                    "dimpo.ablations.quirks.d_prime"),
+    "table 1 repeated setting": (lambda c: c["dimpo"].update(settings=[{}, {}]), "dimpo.settings[1]"),
+    "downstream objective not fitted": (lambda c: downstream(c, objectives=["orpo"]), "dimpo.downstream.objectives"),
+    "downstream d_prime not fitted": (lambda c: downstream(c, d_prime=[3]), "dimpo.downstream.d_prime"),
+    "downstream without layers": (lambda c: downstream(c, num_projected=[]), "dimpo.downstream.num_projected"),
+    "downstream l > layers": (lambda c: downstream(c, num_projected=[2, 5]), "dimpo.downstream.num_projected"),
+    "downstream l = 0": (lambda c: downstream(c, num_projected=[0]), "num_projected"),
+    "downstream unknown scale": (lambda c: downstream(c, scale="sqrt"), "sqrt"),
+    "downstream kv taken name": (lambda c: downstream(c, kv=[{"name": "none", "kivi": {"bits": 2}}]),
+                                 "dimpo.downstream.kv[0].name"),
+    "downstream kv repeated name": (lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2}},
+                                                                {"name": "q", "kivi": {"bits": 4}}]),
+                                    "dimpo.downstream.kv[1].name"),
+    "downstream kivi 3 bits": (lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 3}}]), "3"),
+    "downstream kivi residual": (lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2, "residual": 100}}]),
+                                 "dimpo.downstream.kv[0].kivi.residual"),
+    "downstream snapkv budget": (lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 16}}]),
+                                 "dimpo.downstream.kv[0].snapkv.budget"),
+    "downstream kv both methods": (lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 64},
+                                                                "kivi": {"bits": 2}}]), "oneOf"),
 }
 
 
@@ -195,7 +235,43 @@ def test_dimpo_schema_names_every_fit_setting_and_objective():
     schema = yaml.safe_load((REPO / "schemas/config.schema.yaml").read_text())
     hparams = schema["properties"]["dimpo"]["properties"]["hparams"]["properties"]
     names = {f.name for f in fields(FitSettings)}
-    assert set(hparams) == names | {"per_objective"}  # fit seeds: dimpo.seeds
-    assert set(schema["$defs"]["fit_settings"]["propertyNames"]["enum"]) == names - {"preset"}
+    assert set(hparams) == {"preset", "per_objective"}  # fit seeds: dimpo.seeds
+    assert set(schema["$defs"]["fit_fields"]["properties"]) == names - {"preset"}
+    assert set(schema["$defs"]["setting"]["properties"]) == {"preset"}
     assert set(schema["$defs"]["objective"]["enum"]) == set(OBJECTIVES)
     assert set(hparams["preset"]["enum"]) == set(PRESETS)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"k": 64, "lam": 0.5}, {"preset": "authors", "causal": True},
+                                       {"max_preferred": None, "pair_mode": "all", "num_sampled_keys": 8}])
+def test_setting_names_round_trip(overrides):
+    name = sweeps.setting_name(overrides)
+    assert sweeps.parse_setting(name) == overrides and "/" not in name
+    assert name == "default" if not overrides else "=" in name
+
+
+def test_dimpo_fits_of_table1_and_the_studies():
+    plan = plan_of(DEFAULT)
+    fits = plan.dimpo_fits
+    table1 = [f for f in fits if f.study == "table1"]
+    assert len(table1) == len(DEFAULT["dimpo"]["objectives"]) * len(DEFAULT["dimpo"]["d_prime"])
+    assert {f.setting for f in table1} == {"default"}
+    quirks = [f for f in fits if f.study == "quirks"]
+    assert [f.setting for f in quirks][:2] == ["preset=authors", "preset=authors,causal=true"]
+    assert [f.order for f in quirks] == list(range(len(DEFAULT["dimpo"]["ablations"]["quirks"]["settings"])))
+    assert plan.dimpo_studies == ("table1", "quirks", "downstream")
+    assert plan.dimpo_settings["preset=authors,max_preferred=null"] == {"preset": "authors", "max_preferred": None}
+    both = plan_of(mutated(lambda c: c["dimpo"].update(settings=[{"preset": "ours"}, {"preset": "authors"}])))
+    assert {f.setting for f in both.dimpo_fits if f.study == "table1"} == {"preset=ours", "preset=authors"}
+    assert plan_of(mutated(lambda c: c["dimpo"].update(models=[]))).dimpo_studies == ()
+
+
+def test_downstream_plan():
+    config = mutated(lambda c: downstream(c, objectives=["kl", "dimpo"], num_projected=[2, 4],
+                                          kv=[{"name": "kivi2", "kivi": {"bits": 2}}]))  # fmt: skip
+    plan = plan_of(config)
+    projected = plan.dimpo_projected
+    assert projected[:2] == [sweeps.Projected("base", 0, 0, "none"), sweeps.Projected("base", 0, 0, "kivi2")]
+    assert len(projected) == 2 + 2 * 1 * 2 * 2  # base x kv, then objectives x d' x l x kv
+    assert plan.kv_settings("kivi2") == {"kivi": {"bits": 2, "group_size": 32, "residual": 128}}  # schema defaults
+    assert plan.kv_settings("none") == {} and "downstream" in plan.dimpo_studies

@@ -80,7 +80,13 @@ def test_paper_dry_run_builds_the_full_dag(tmp_path):
     assert counts["score_text"] == 6  # evaluation.lm_eval.scales: the d = 2048 sweep, with perplexity
     assert counts["perplexity"] == 7 + 6 + 2 + 3 + 4  # the other text runs: perplexity alone
     assert counts["capture_qkv"] == 8  # 4 hub models x (fit, eval)
-    assert counts["fit_projection"] == 4 * 10 * 7  # models x objectives (Tables 1 and 6) x d'
+    # models x (Table 1: objectives x d'; Table 6: 8 settings at one d'; Figure 4 (a), (b), (c):
+    # objectives x settings x d'; quirks: 3 objectives x 10 settings at one d')
+    assert counts["fit_projection"] == 4 * (10 * 7 + 8 + 7 * (5 * 4 + 4 * 7 + 4 * 6) + 3 * 10)
+    # dimpo.downstream: per model, the base model and 7 objectives x 6 l, then SnapKV (2 budgets)
+    # and KIVI (2 and 4 bits) on the base model and on DimPO at 3 l (Table 5)
+    assert counts["project_model"] == counts["score_projected"] == 4 * (1 + 7 * 6 + 4 * (1 + 3))
+    assert counts["prefetch"] == 1  # hub models and task data, on the login node
     assert "shakespeare" not in text and "tiny-" not in text  # nothing leaks from config.yaml
     for run in ("pythia-70m-dar-w128-d64", "pythia-70m-dar-w0-d128", "pythia-70m-swa-w128-full4",
                 "pythia-70m-dilated-w128-r4", "pythia-1b-dar-w128-d2048", "pythia-70m-dar-w128-d128-sigmoid"):
@@ -170,21 +176,38 @@ def test_smoke_summaries(smoke):
     assert overall["accuracy"].between(0, 1).all() and (overall["chance"] == 1 / 16).all()
     assert (recall[recall["scope"] == "distance"]["min_distance"] > 16).all()  # beyond the window
     fidelity = pd.read_csv(smoke / "results/summary/dimpo_fidelity.csv")
-    assert set(fidelity.columns) >= {"model", "objective", "d_prime", "layer", "kl", "mse"}
-    assert set(fidelity["objective"]) == {"random", "pca", "kl", "dimpo"}
-    assert len(fidelity) == 4 * 2  # objectives x layers of the smoke model
-    assert (fidelity[["kl", "mse"]] >= 0).all().all()
+    assert set(fidelity.columns) >= {"study", "model", "objective", "setting", "d_prime", "layer", "kl", "mse"}
+    table1 = fidelity[fidelity["study"] == "table1"]
+    assert set(table1["objective"]) == {"random", "pca", "kl", "dimpo"}
+    assert len(table1) == 4 * 2  # objectives x layers of the smoke model
+    # configs/smoke.yaml: 2 settings each of quirks, table6 and figure4a, on 2 layers.
+    assert fidelity.groupby("study").size().to_dict() == {"table1": 8, "quirks": 4, "table6": 4, "figure4a": 4}
+    assert (fidelity[["kl", "mse", "kl_inference", "mse_inference"]] >= 0).all().all()
+    # The authors' 1/sqrt(d) at inference is not the scale they trained at: their row differs there alone.
+    quirks = fidelity[fidelity["study"] == "quirks"].set_index(["setting", "layer"])
+    authors = quirks.loc["preset=authors"]
+    assert (authors["kl_inference"] != authors["kl"]).all()
+    assert list(quirks.loc["preset=authors,inference_scale=d_prime", "kl_inference"]) == pytest.approx(
+        list(authors["kl"]), rel=1e-4)
     lm = pd.read_csv(smoke / "results/summary/lm_eval.csv")
     assert {"dimattn_heldout", "dimattn_next_line"} <= set(lm["task"])
+    down = pd.read_csv(smoke / "results/summary/dimpo_downstream.csv")
+    # base + KL at l = 1, 2; each without and with KIVI; next-line acc, acc_norm and perplexity
+    assert len(down) == 3 * 2 * 3 and set(down["num_projected"]) == {0, 1, 2}
+    ppl = down[down["metric"] == "ppl"].set_index(["objective", "num_projected", "kv"])["value"]
+    assert ppl[("kl", 2, "none")] != ppl[("base", 0, "none")]  # projecting both layers changes the model
+    # KIVI leaves prefill attention exact: loglikelihood scores are the uncompressed ones.
+    assert ppl[("kl", 2, "kivi2")] == pytest.approx(ppl[("kl", 2, "none")])
 
 
 def test_smoke_tables_and_figures(smoke):
     for name in ["dar_perplexity.tex", "dimpo_fidelity.tex", "lm_eval.tex", "dar_window.tex", "dar_downstream.tex",
-                 "recall.tex", "baselines.tex"]:
+                 "recall.tex", "baselines.tex", "dimpo_quirks.tex", "dimpo_ablation.tex", "dimpo_downstream.tex"]:
         text = (smoke / "results/tables" / name).read_text()
         assert "\\begin{tabular}" in text, name
     assert "99.61" in (smoke / "results/tables/dar_perplexity.tex").read_text()  # paper beside ours
-    for name in ["dar_perplexity.png", "dar_trajectory.png", "dimpo_fidelity.png", "dar_window.png", "recall.png"]:
+    for name in ["dar_perplexity.png", "dar_trajectory.png", "dimpo_fidelity.png", "dar_window.png", "recall.png",
+                 "dimpo_pairs.png", "dimpo_downstream.png"]:
         assert (smoke / "results/figures" / name).read_bytes()[:4] == b"\x89PNG", name
 
 
@@ -234,6 +257,23 @@ def test_model_directory_with_lm_eval_cli(smoke, tmp_path):
     assert results, out.stdout[-2000:]
     metrics = json.loads(results[0].read_text())["results"]["dimattn_heldout"]
     assert metrics["word_perplexity,none"] > 1
+
+
+def test_projected_model_directory_with_lm_eval_cli(smoke, tmp_path):
+    """A projected model directory of the smoke run, through lm-eval's own CLI and `hf` model."""
+    model = "results/dimpo/tiny-vanilla/projected/kl-d4-l2-none"
+    out = subprocess.run(
+        [str(BIN / "lm_eval"), "--model", "hf", "--model_args", f"pretrained={model},trust_remote_code=True",
+         "--tasks", "dimattn_next_line", "--include_path", str(REPO / "dimattn/lm_eval_tasks"),
+         "--limit", "16", "--batch_size", "4", "--output_path", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=smoke,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
+    # The workflow's own score of that directory (score_projected, the same lm-eval model) agrees.
+    ours = json.loads((smoke / "results/dimpo/tiny-vanilla/downstream/kl-d4-l2-none.json").read_text())
+    assert results["dimattn_next_line"]["acc,none"] == ours["results"]["dimattn_next_line"]["acc,none"]
+    assert ours["num_projected"] == 2 and ours["n_layers"] == 2 and "shakespeare" in ours["perplexity"]
 
 
 def test_rerun_is_a_no_op(smoke):

@@ -10,4 +10,4 @@ with logged(snakemake):
                 hparams=snakemake.params.hparams, out_path=Path(out.projections), device=snakemake.params.device)
     fidelity_to_file(capture_path=Path(snakemake.input.eval), projections_path=Path(out.projections),
                      out_csv=Path(out.fidelity), model_name=wc.model, objective=wc.objective,
-                     d_prime=int(wc.d_prime), device=snakemake.params.device)
+                     setting=wc.setting, d_prime=int(wc.d_prime), device=snakemake.params.device)

@@ -11,6 +11,7 @@ with logged(snakemake):
         "summarize_lm_eval": summaries.summarize_lm_eval,
         "summarize_recall": summaries.summarize_recall,
         "summarize_fidelity": summaries.summarize_fidelity,
+        "summarize_downstream": summaries.summarize_downstream,
     }[snakemake.rule]
     # params are keyword arguments: datasets (trajectory)
     summarize([Path(p) for p in snakemake.input], Path(snakemake.output[0]), **dict(snakemake.params.items()))

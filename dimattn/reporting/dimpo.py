@@ -1,5 +1,11 @@
-"""Seed 003 (DimPO): Table 1, the attention fidelity of the fitted query/key projections
-(``dimpo_fidelity.tex``, ``dimpo_fidelity.png``), ours beside the paper's.
+"""Seed 003 (DimPO): the attention fidelity of the fitted query/key projections, ours beside the
+paper's, from one summary whose ``study`` column says which report a fit feeds:
+
+* ``table1`` (dimpo.objectives x dimpo.d_prime): Table 1 (``dimpo_fidelity.tex``, ``.png``);
+* ``table6``: Table 6's KL column, DimPO's k and lambda (``dimpo_ablation.tex``);
+* ``figure4a|b|c``: Appendix B Figure 4, the pair modes (``dimpo_pairs.png``);
+* ``quirks``: the authors' preset against ours, one choice flipped at a time
+  (``dimpo_quirks.tex``), which no paper reports.
 
 KL divergence of the attention weights and MSE of the attention outputs, averaged over layers,
 per objective and target width d'. The paper projects Llama-3.1-8B heads (d = 128), ours are
@@ -11,12 +17,14 @@ range are shown, and an objective within the seed spread of the one above it is 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 
 import pandas as pd
 from matplotlib.lines import Line2D
 
+from ..sweeps import DEFAULT_SETTING, MAIN_STUDY, parse_setting
 from . import latex, paper, plots
 from .latex import DAGGER, MISSING, SpreadCells, Tex, fmt_fraction, fmt_sig
 from .paper import DIMPO_HEAD_DIM, OBJECTIVE_ORDER
@@ -39,9 +47,15 @@ _K_RE = re.compile(r"\bk\s*[=_:]?\s*(\d+)", re.I)
 _LAMBDA_RE = re.compile(r"(?:lambda|lam|λ)\s*[=_:]?\s*(\d+(?:\.\d+)?)", re.I)
 
 
+def _blank(setting) -> bool:
+    return setting is None or (not isinstance(setting, tuple) and pd.isna(setting)) or str(setting).strip() in (
+        "", DEFAULT_SETTING
+    )
+
+
 def _parse_setting(setting) -> tuple[int, float] | None:
-    """(k, lambda) from a setting string such as "k=64,lambda=1" or "k64_lambda1"."""
-    if setting is None or pd.isna(setting) or not str(setting).strip():
+    """(k, lambda) from a setting string such as "k=64,lam=1" or "k64_lambda1"."""
+    if _blank(setting):
         return None
     k, lam = _K_RE.search(str(setting)), _LAMBDA_RE.search(str(setting))
     return (int(k.group(1)), float(lam.group(1))) if k and lam else None
@@ -56,22 +70,35 @@ def _label(objective: str, setting=None, tex: bool = True) -> str:
         return Tex(rf"{latex.escape(base)} ($k{{=}}{k}$, $\lambda{{=}}{lam:g}$)") if tex else (
             rf"{base} ($k$={k}, $\lambda$={lam:g})"
         )
-    if setting is None or pd.isna(setting) or not str(setting).strip():
+    if _blank(setting):
         return Tex(latex.escape(base)) if tex else base
     return Tex(f"{latex.escape(base)} ({latex.escape(setting)})") if tex else f"{base} ({setting})"
 
 
-def _means(fid: pd.DataFrame) -> pd.DataFrame:
+METRICS = ("kl", "mse", "kl_inference", "mse_inference")
+
+
+def _study(fid: pd.DataFrame, study: str) -> pd.DataFrame:
+    rows = fid[fid["study"] == study] if "study" in fid else fid
+    if rows.empty:
+        raise ValueError(f"the DimPO fidelity summary has no fit of study {study!r}")
+    return rows
+
+
+def _means(fid: pd.DataFrame, study: str = MAIN_STUDY) -> pd.DataFrame:
     """Seed 003 Table 1 averages KL and MSE over layers; then over the seeds of a fit, if any."""
-    fid = fid.copy()
+    fid = _study(fid, study).copy()
     fid["setting"] = fid["setting"].fillna("").astype(str) if "setting" in fid else ""
-    fit = ["model", "head_dim", "objective", "setting", "d_prime"]
+    if "setting_order" not in fid:
+        fid["setting_order"] = 0
+    fit = ["model", "head_dim", "setting_order", "objective", "setting", "d_prime"]
+    metrics = [m for m in METRICS if m in fid]
     means = (
         fid.groupby(fit + (["seed"] if "seed" in fid else []), sort=False)
-        .agg(kl=("kl", "mean"), mse=("mse", "mean"), n_layers=("layer", "nunique"))
+        .agg(**{m: (m, "mean") for m in metrics}, n_layers=("layer", "nunique"))
         .reset_index()
     )
-    means = aggregate(means, ["kl", "mse"], fit)
+    means = aggregate(means, metrics, fit)
     means["ratio"] = [Fraction(int(d), int(h)) for d, h in zip(means["d_prime"], means["head_dim"])]
     return means
 
@@ -227,5 +254,155 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
             "Table 1\nthe paper's model has ~8B parameters, ours is tiny: compare ordering and trend across rows, "
             "not levels" + plots.spread_note(seed_counts(means)),
             fontsize=12,
+        )
+    return Path(path)
+
+
+# ---- the other studies -------------------------------------------------------------------------
+
+
+def _setting_label(setting: str, base: str = "") -> str:
+    """A setting's row label: its overrides, "key = value", in LaTeX."""
+    parts = [] if _blank(setting) else [part.replace("=", " = ", 1) for part in setting.split(",")]
+    return Tex(latex.escape(", ".join(parts) or base or "dimpo.hparams as configured"))
+
+
+def _study_table(groups, rows, counts, path, function, caption, label, row_header, cell) -> Path:
+    return latex.render(
+        "dimpo_study.tex.j2", path, groups=groups, rows=rows, function=f"dimpo.{function}", caption=caption, label=label,
+        row_header=row_header, rules=latex.cmidrules([len(g["columns"]) for g in groups], 2),
+        spread_note=cell.note(),
+    )  # fmt: skip
+
+
+def quirks_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
+    """The authors' preset against ours, one choice flipped at a time (study ``quirks``): per
+    setting, KL and MSE at the train scale (as Table 1) and KL at the inference scale, per
+    objective and d'. No paper reports this; the rows follow dimpo.ablations.quirks.settings."""
+    means = _means(frames["dimpo_fidelity"], "quirks")
+    cell = SpreadCells(seed_counts(means))
+    keys = list(dict.fromkeys(zip(means["model"], means["objective"], means["d_prime"])))
+    many_models = len({m for m, _, _ in keys}) > 1
+    groups = [
+        {"title": Tex(latex.escape(f"{model}: " if many_models else "") + latex.escape(_label(o, tex=False))
+                      + rf", $d'{{=}}{int(d)}$"),
+         "columns": [Tex("KL"), Tex("MSE"), Tex(r"KL$_\text{inf}$")]}
+        for model, o, d in keys
+    ]  # fmt: skip
+    rows = []
+    for (order, setting), mine in means.groupby(["setting_order", "setting"], sort=True):
+        by_key = {(m.model, m.objective, m.d_prime): m for _, m in mine.iterrows()}
+        cells = []
+        for key in keys:
+            m = by_key.get(key)
+            cells += [MISSING] * 3 if m is None else [
+                cell(spread(m, metric), fmt_sig) for metric in ("kl", "mse", "kl_inference")
+            ]
+        rows.append({"label": _setting_label(setting), "cells": cells, "space": False})
+    n_layers = ", ".join(str(n) for n in sorted(means["n_layers"].unique()))
+    caption = (
+        "What each of the DimPO authors' choices does, measured: attention fidelity of the projections fitted "
+        "with the settings of each row over dimpo.hparams (the preset named, then one choice flipped), mean over "
+        f"{n_layers} layers (lower is better). KL and MSE at the training logit scale, as Table 1 scores them; "
+        r"KL$_\text{inf}$ at the inference scale, what the model sees once the projection replaces its attention."
+    )
+    return _study_table(groups, rows, seed_counts(means), path, "quirks_table", Tex(caption), "dimpo_quirks",
+                        "Settings", cell)  # fmt: skip
+
+
+def ablation_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
+    """Seed 003 Table 6's KL column: DimPO per (k, lambda) (study ``table6``), with Table 1's KL
+    and DimPO + KL fits at the same d' where fitted; the paper's KL at d' = 64 of both models beside."""
+    fid = frames["dimpo_fidelity"]
+    ours = _means(fid, "table6")
+    d_primes = sorted(ours["d_prime"].unique())
+    extra = []
+    if (fid["study"] == MAIN_STUDY).any():
+        main = _means(fid, MAIN_STUDY)
+        extra = [main[main["objective"].isin(["kl", "dimpo_kl"]) & main["d_prime"].isin(d_primes)]]
+    means = pd.concat([ours, *extra], ignore_index=True)
+    ref = paper.dimpo_table6(reference_dir)
+    cell = SpreadCells(seed_counts(means))
+    models = list(dict.fromkeys(zip(means["model"], means["head_dim"])))
+    groups = [
+        {"title": Tex(latex.escape(f"ours: {m}, d = {int(h)}")), "columns": [Tex(rf"$d'{{=}}{int(d)}$") for d in d_primes]}
+        for m, h in models
+    ] + [{"title": Tex(r"paper, $d'{=}64$ of $d{=}128$"), "columns": [Tex("Llama-3.1-8B"), Tex("Qwen3-4B")]}]
+    rows = []
+    for (objective, setting), mine in means.groupby(["objective", "setting"], sort=False):
+        cells = []
+        for model, _ in models:
+            sel = mine[mine["model"] == model]
+            by_d = {m.d_prime: m for _, m in sel.iterrows()}
+            cells += [cell(spread(by_d[d], "kl"), fmt_sig) if d in by_d else MISSING for d in d_primes]
+        parsed = parse_setting(setting) if setting else {}
+        key = (int(parsed["k"]), float(parsed["lam"])) if {"k", "lam"} <= set(parsed) else None
+        theirs = ref[(ref["objective"] == objective) & ref["setting"].map(lambda s, key=key: s == key)]
+        cells += [theirs.iloc[0][c] if len(theirs) else MISSING for c in ("llama31_8b_kl", "qwen3_4b_kl")]
+        label = _label(objective, key) if key else Tex(
+            latex.escape(OBJECTIVE_LABELS.get(objective, objective))
+            + ("" if _blank(setting) else f" ({latex.escape(setting)})")
+        )
+        rows.append({"label": label, "cells": cells, "space": False})
+    caption = (
+        "Ablation of DimPO's head term: the attention KL of DimPO per top-k and head weight $\\lambda$ "
+        "(seed 003 Table 6's KL column), beside the KL and DimPO + KL objectives, mean over layers "
+        "(lower is better). The paper's key lists hold 4,096 keys, ours the capture's sequence length, so "
+        "a given k covers a larger share of ours."
+    )
+    return _study_table(groups, rows, seed_counts(means), path, "ablation_table", Tex(caption), "dimpo_ablation",
+                        "Objective", cell)  # fmt: skip
+
+
+# Appendix B Figure 4: the study, its panel title, and the setting field on its x axis.
+PAIR_PANELS = {
+    "figure4a": ("(a) all pairs among k sampled keys", "num_sampled_keys"),
+    "figure4b": ("(b) k distinct pairs a query, top half vs. bottom half", "num_pairs"),
+    "figure4c": ("(c) rank distance k between chosen and rejected", "pair_distance"),
+}
+
+
+def pairs_figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
+    """Appendix B Figure 4 (a-c): KL and MSE, averaged over layers and every d' of the study, vs.
+    the panel's k, a line per objective; error bars: min-max over fit seeds."""
+    fid = frames["dimpo_fidelity"]
+    panels = [(study, *PAIR_PANELS[study]) for study in PAIR_PANELS if (fid["study"] == study).any()]
+    if not panels:
+        raise ValueError("no Figure 4 study (figure4a, figure4b, figure4c) in the DimPO fidelity summary")
+    counts = Counter()
+    with plots.figure(path, (5.2 * len(panels) + 2.4, 8.0)) as fig:
+        axes = fig.subplots(2, len(panels), squeeze=False)
+        handles = {}
+        for col, (study, title, field) in enumerate(panels):
+            rows = _study(fid, study).copy()
+            rows["x"] = [parse_setting(s).get(field) for s in rows["setting"]]
+            if rows["x"].isna().any():
+                bad = sorted(set(rows.loc[rows["x"].isna(), "setting"]))
+                raise ValueError(f"dimpo.ablations.{study}: setting(s) {bad} do not set {field}")
+            # Mean over layers and d' a fit seed, then the spread over seeds (Appendix B averages both).
+            per_seed = rows.groupby(["objective", "x", "seed"], sort=False)[["kl", "mse"]].mean().reset_index()
+            agg = aggregate(per_seed, ["kl", "mse"], ["objective", "x"])
+            counts += seed_counts(agg)
+            for row, (metric, name) in enumerate((("kl", "KL divergence of attention weights"),
+                                                  ("mse", "MSE of attention outputs"))):  # fmt: skip
+                ax = axes[row][col]
+                for objective in sorted(agg["objective"].unique(), key=_rank):
+                    sel = agg[agg["objective"] == objective].sort_values("x")
+                    line = plots.line(ax, sel["x"].astype(float), [spread(r, metric) for _, r in sel.iterrows()],
+                                      color=OBJECTIVE_COLORS.get(objective, "0.3"), marker="o", lw=2,
+                                      label=_label(objective, tex=False))  # fmt: skip
+                    handles.setdefault(_label(objective, tex=False), line)
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(sorted(agg["x"].unique()), [str(int(x)) for x in sorted(agg["x"].unique())])
+                plots.plain_log_y(ax)
+                ax.set_xlabel("k")
+                ax.set_ylabel(f"{metric.upper()}, mean over layers and d'" + (" (log)" if ax.get_yscale() == "log" else ""))
+                ax.set_title(f"{title}\n{name}", fontsize=10)
+        fig.legend(handles=list(handles.values()), labels=list(handles), loc="outside right center", frameon=False)
+        d_primes = ", ".join(str(int(d)) for d in sorted(fid[fid["study"].isin([p[0] for p in panels])]["d_prime"].unique()))
+        fig.suptitle(
+            "Pairwise objectives and the listwise term with more comparisons (seed 003 Appendix B, Figure 4), "
+            f"ours: d' in {{{d_primes}}}" + plots.spread_note(counts),
+            fontsize=11,
         )
     return Path(path)

@@ -28,11 +28,13 @@ from . import selection
 
 @dataclass(frozen=True)
 class Asked:
-    """What a config (or a set of summaries) holds: its runs, and whether lm-eval and DimPO run."""
+    """What a config (or a set of summaries) holds: its runs, whether lm-eval runs, and the
+    DimPO studies it fits (dimattn.sweeps.MAIN_STUDY and the keys of dimpo.ablations; none
+    without DimPO), with "downstream" where projected models are scored (dimpo.downstream)."""
 
     runs: list[dict]
     lm_eval: bool
-    dimpo: bool
+    dimpo: tuple[str, ...]
 
     @property
     def text(self) -> list[dict]:
@@ -78,13 +80,19 @@ def _baselines(asked: Asked) -> bool:
     return any(selection.is_baseline(selection.kind(r)) for r in asked.runs)
 
 
+def _study(*names: str) -> Callable[[Asked], bool]:
+    """DimPO: any of the studies ``names`` is fitted."""
+    return lambda asked: any(name in asked.dimpo for name in names)
+
+
 # summary -> whether the config produces it
 SUMMARIES: dict[str, Callable[[Asked], bool]] = {
     "dar_perplexity": lambda asked: bool(asked.text),
     "dar_trajectory": lambda asked: bool(asked.runs),
     "recall": lambda asked: bool(asked.synthetic),
     "lm_eval": lambda asked: asked.lm_eval,
-    "dimpo_fidelity": lambda asked: asked.dimpo,
+    "dimpo_fidelity": lambda asked: bool(asked.dimpo),
+    "dimpo_downstream": _study("downstream"),
 }
 
 
@@ -138,29 +146,37 @@ OUTPUTS: dict[str, Output] = {
         _output("Recall", paths.table("recall"), "recall:table", SUMMARIES["recall"], ["recall"]),
         _output("Recall", paths.figure("recall"), "recall:figure", SUMMARIES["recall"], ["recall"]),
         _output("lm-eval", paths.table("lm_eval"), "lm_eval:table", SUMMARIES["lm_eval"], ["lm_eval"]),
-        # Seed 003 (DimPO): Table 1
-        _output("DimPO", paths.table("dimpo_fidelity"), "dimpo:table", SUMMARIES["dimpo_fidelity"], ["dimpo_fidelity"]),
-        _output("DimPO", paths.figure("dimpo_fidelity"), "dimpo:figure", SUMMARIES["dimpo_fidelity"],
+        # Seed 003 (DimPO): Table 1, Table 6's KL column, Appendix B Figure 4, and the authors' quirks
+        _output("DimPO", paths.table("dimpo_fidelity"), "dimpo:table", _study("table1"), ["dimpo_fidelity"]),
+        _output("DimPO", paths.figure("dimpo_fidelity"), "dimpo:figure", _study("table1"), ["dimpo_fidelity"]),
+        _output("DimPO", paths.table("dimpo_ablation"), "dimpo:ablation_table", _study("table6"), ["dimpo_fidelity"]),
+        _output("DimPO", paths.figure("dimpo_pairs"), "dimpo:pairs_figure", _study("figure4a", "figure4b", "figure4c"),
                 ["dimpo_fidelity"]),
+        _output("DimPO", paths.table("dimpo_quirks"), "dimpo:quirks_table", _study("quirks"), ["dimpo_fidelity"]),
+        # Seed 003 Figures 2-3 and Tables 4-5: projected models at work
+        _output("DimPO", paths.figure("dimpo_downstream"), "dimpo_downstream:figure", _study("downstream"),
+                ["dimpo_downstream"]),
+        _output("DimPO", paths.table("dimpo_downstream"), "dimpo_downstream:table", _study("downstream"),
+                ["dimpo_downstream"]),
     )
 }
 
 
-def wanted(runs: Iterable[dict], lm_eval: bool, dimpo: bool) -> list[str]:
+def wanted(runs: Iterable[dict], lm_eval: bool, dimpo: Iterable[str]) -> list[str]:
     """The outputs (names relative to results/) the runs call for, in OUTPUTS order.
 
-    ``lm_eval``: some run gets lm-eval scores; ``dimpo``: DimPO models are configured."""
-    asked = Asked(list(runs), lm_eval, dimpo)
+    ``lm_eval``: some run gets lm-eval scores; ``dimpo``: the DimPO studies fitted (Asked.dimpo)."""
+    asked = Asked(list(runs), lm_eval, tuple(dimpo))
     return [name for name, out in OUTPUTS.items() if out.wanted(asked)]
 
 
-def wanted_summaries(runs: Iterable[dict], lm_eval: bool, dimpo: bool) -> list[str]:
+def wanted_summaries(runs: Iterable[dict], lm_eval: bool, dimpo: Iterable[str]) -> list[str]:
     """The summaries (names for ``paths.summary``) the runs produce."""
-    asked = Asked(list(runs), lm_eval, dimpo)
+    asked = Asked(list(runs), lm_eval, tuple(dimpo))
     return [name for name, produced in SUMMARIES.items() if produced(asked)]
 
 
-def targets(runs: Iterable[dict], lm_eval: bool, dimpo: bool) -> list[str]:
+def targets(runs: Iterable[dict], lm_eval: bool, dimpo: Iterable[str]) -> list[str]:
     """The paths of every summary and every output the runs call for (the workflow's report)."""
     runs = list(runs)
     return [paths.summary(s) for s in wanted_summaries(runs, lm_eval, dimpo)] + [
@@ -234,9 +250,9 @@ def render(
 
 
 def runs_in(summary_dir: os.PathLike | str) -> Asked:
-    """The runs the summaries in ``summary_dir`` hold, and whether lm-eval and DimPO ran: the
-    trajectory summary has every run with its training dataset; a run is synthetic when the
-    recall summary has it."""
+    """The runs the summaries in ``summary_dir`` hold, whether lm-eval ran, and the DimPO studies
+    fitted: the trajectory summary has every run with its training dataset; a run is synthetic
+    when the recall summary has it."""
     from . import summaries
 
     on_disk = {s for s in SUMMARIES if _summary_path(summary_dir, s).exists()}
@@ -260,7 +276,13 @@ def runs_in(summary_dir: os.PathLike | str) -> Asked:
         for run in selection.records(trajectory):
             fields = {k: run[k] for k in summaries.RUN_FIELDS + ["dataset"]}
             runs.append(fields | {"synthetic": run["run"] in synthetic})
-    return Asked(runs, "lm_eval" in on_disk, "dimpo_fidelity" in on_disk)
+    studies = ()
+    if "dimpo_fidelity" in on_disk:
+        fidelity = summaries.read(_summary_path(summary_dir, "dimpo_fidelity"), "dimpo_fidelity")
+        studies = tuple(dict.fromkeys(fidelity["study"]))
+    if "dimpo_downstream" in on_disk:
+        studies += ("downstream",)
+    return Asked(runs, "lm_eval" in on_disk, studies)
 
 
 def render_existing(

@@ -19,6 +19,8 @@ FILES = {
     "dar_tasks": "dar_task_context_lengths.csv",
     "qualitative": "qualitative_findings.csv",
     "dimpo": "dimpo_fidelity_llama31_8b.csv",
+    "dimpo_ablation": "dimpo_ablation.csv",
+    "dimpo_ruler_by_layers": "dimpo_ruler_by_layers.csv",
 }
 # Seed 003, Section 4: every model it projects has head dimension d = 128.
 DIMPO_HEAD_DIM = 128
@@ -108,4 +110,17 @@ def dimpo_table1(reference_dir: Path) -> pd.DataFrame:
     ref["ratio"] = [Fraction(int(d), DIMPO_HEAD_DIM) for d in ref["d_prime"]]
     ref["setting"] = [(int(k), float(lam)) if k and lam else None for k, lam in zip(ref["k"], ref["lambda"])]
     ref["kl_value"], ref["mse_value"] = ref["kl"].astype(float), ref["mse"].astype(float)
+    return ref
+
+
+def dimpo_table6(reference_dir: Path) -> pd.DataFrame:
+    """Seed 003 Table 6 (at d' = 64): the objective, (k, lambda) where DimPO's, and the KL
+    columns of both models, as printed."""
+    ref = read(reference_dir, "dimpo_ablation")
+    ref["setting"] = [
+        (int(k), float(lam)) if o == "dimpo" and plus == "no" else None
+        for o, k, lam, plus in zip(ref["objective"], ref["k"], ref["lambda"], ref["plus_kl"])
+    ]
+    # Its "DimPO + KL" row is the listwise term (k = 0) plus KL: our dimpo_kl.
+    ref.loc[(ref["objective"] == "dimpo") & (ref["plus_kl"] == "yes"), "objective"] = "dimpo_kl"
     return ref

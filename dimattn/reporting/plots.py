@@ -78,8 +78,9 @@ def line(ax, x, spreads: Sequence[Spread], factor: float = 1.0, **style):
     means = [s.mean * factor for s in spreads]
     if not any(s.n > 1 for s in spreads):
         return ax.plot(x, means, **style)[0]
-    below = [(s.mean - s.min) * factor if s.n > 1 else 0.0 for s in spreads]
-    above = [(s.max - s.mean) * factor if s.n > 1 else 0.0 for s in spreads]
+    # max(..., 0): the mean of equal values can round an ulp past them
+    below = [max(s.mean - s.min, 0.0) * abs(factor) if s.n > 1 else 0.0 for s in spreads]
+    above = [max(s.max - s.mean, 0.0) * abs(factor) if s.n > 1 else 0.0 for s in spreads]
     return ax.errorbar(x, means, yerr=[below, above], capsize=3, elinewidth=1.1, **style)
 
 
@@ -112,11 +113,24 @@ def hide_unused(axes, n: int) -> None:
 
 
 def plain_log_y(ax) -> None:
-    """Log y with plain numbers (0.003, not 3x10^-3); a few minor ticks labelled on short spans."""
+    """Log y with plain numbers (0.003, not 3x10^-3); a few minor ticks labelled on short spans,
+    every one on shorter spans, and a linear axis where not even two ticks would fall in range."""
     ax.set_yscale("log")
     low, high = ax.get_ylim()
     decades = math.log10(high / low) if low > 0 else 3
     keep = {2, 3, 5} if decades < 1.2 else {3} if decades < 2.2 else set()
+
+    def labelled(mantissas):
+        if low <= 0:
+            return 2
+        exponents = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+        return sum(low <= m * 10.0**e <= high for e in exponents for m in mantissas | {1})
+
+    if labelled(keep) < 2:
+        keep = set(range(2, 10))
+        if labelled(keep) < 2:
+            ax.set_yscale("linear")  # matplotlib's own formatter, with its offset, reads a narrow span
+            return
 
     def minor(y, _):
         mantissa = round(y / 10 ** math.floor(math.log10(y) + 1e-9), 6)

@@ -35,7 +35,11 @@ from .paper import OBJECTIVE_ORDER
 from .replicates import relative
 
 RUN_FIELDS = variants.RUN_FIELDS
-FIDELITY_COLUMNS = ["model", "objective", "d_prime", "head_dim", "layer", "kl", "mse"]
+# One row per (fit, layer) of a fit's CSV (dimattn.projections.fidelity_to_file); seed is the fit's.
+FIDELITY_COLUMNS = ["model", "objective", "setting", "d_prime", "head_dim", "seed", "layer", "kl", "mse",
+                    "kl_inference", "mse_inference"]
+# A projected model of dimpo.downstream (dimattn.sweeps.Projected); share = l / n_layers.
+DOWNSTREAM_FIELDS = ["model", "objective", "d_prime", "num_projected", "n_layers", "share", "scale", "kv"]
 COLUMNS = {
     "dar_perplexity": RUN_FIELDS + ["corpus", "ppl", "rel_to_vanilla", "vanilla_seed", "split", "n_tokens", "loss"],
     "dar_trajectory": RUN_FIELDS
@@ -43,8 +47,10 @@ COLUMNS = {
     "lm_eval": RUN_FIELDS + ["task", "metric", "value", "stderr"],
     "recall": RUN_FIELDS
     + ["corpus", "split", "scope", "bin", "min_distance", "max_distance", "accuracy", "n", "chance"],
-    # Optional ``setting`` (DimPO's k and lambda) and ``seed`` (of the fit) columns follow these.
-    "dimpo_fidelity": FIDELITY_COLUMNS,
+    "dimpo_downstream": DOWNSTREAM_FIELDS + ["task", "metric", "value", "stderr"],
+    # study: dimattn.sweeps.MAIN_STUDY (Table 1) or a dimpo.ablations key; setting_order: the
+    # setting's place in that study's list. A fit in two studies has rows in both.
+    "dimpo_fidelity": ["study", "setting_order"] + FIDELITY_COLUMNS,
 }
 INT_COLUMNS = [
     "hidden_size",
@@ -64,9 +70,13 @@ INT_COLUMNS = [
     "d_prime",
     "head_dim",
     "layer",
+    "setting_order",
+    "num_projected",
+    "n_layers",
 ]
 # attention_layers "2.3" is a string, not the number 2.3.
-STR_COLUMNS = ["run", "attention", "bottleneck_activation", "attention_layers", "corpus", "split", "dataset", "scope"]
+STR_COLUMNS = ["run", "attention", "bottleneck_activation", "attention_layers", "corpus", "split", "dataset", "scope",
+               "setting", "study", "kv", "task", "metric"]
 
 
 # ----------------------------------------------------------------------------- reading back
@@ -254,6 +264,24 @@ def _number(value) -> float | None:
     return float(value)
 
 
+def _lm_eval_rows(results: dict) -> list[dict]:
+    """{task, metric, value, stderr} of every numeric metric in lm-eval's ``results``."""
+    rows = []
+    for task, metrics in results.items():
+        for key, value in metrics.items():
+            # lm-eval names metrics "metric,filter"; plain keys (alias, name, sample_len) are bookkeeping
+            if "," not in key:
+                continue
+            name, _, filt = key.partition(",")
+            filt = filt or "none"
+            if name.endswith("_stderr") or _number(value) is None:
+                continue
+            stderr = _number(metrics.get(f"{name}_stderr,{filt}"))
+            metric = name if filt == "none" else f"{name},{filt}"
+            rows.append({"task": task, "metric": metric, "value": float(value), "stderr": stderr})
+    return rows
+
+
 def summarize_lm_eval(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
     """Long table of lm-eval's ``results``: one row per (run, task, metric) with its stderr."""
     rows = []
@@ -262,18 +290,7 @@ def summarize_lm_eval(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike |
         fields = _run_fields(record, path)
         if "results" not in record:
             raise ValueError(f"{path}: lm-eval record lacks 'results'")
-        for task, metrics in record["results"].items():
-            for key, value in metrics.items():
-                # lm-eval names metrics "metric,filter"; plain keys (alias, name, sample_len) are bookkeeping
-                if "," not in key:
-                    continue
-                name, _, filt = key.partition(",")
-                filt = filt or "none"
-                if name.endswith("_stderr") or _number(value) is None:
-                    continue
-                stderr = _number(metrics.get(f"{name}_stderr,{filt}"))
-                metric = name if filt == "none" else f"{name},{filt}"
-                rows.append(fields | {"task": task, "metric": metric, "value": float(value), "stderr": stderr})
+        rows += [fields | row for row in _lm_eval_rows(record["results"])]
     if not rows:
         raise ValueError("summarize_lm_eval found no numeric metrics in its inputs")
     df = _sort_runs(_as_int(pd.DataFrame(rows)), [], tail=["task", "metric"])[COLUMNS["lm_eval"]]
@@ -344,26 +361,59 @@ def summarize_recall(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | 
     return df
 
 
-def summarize_fidelity(csvs: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
-    """Concatenate the per-(model, objective, d') fidelity CSVs; optional ``setting`` and ``seed``
-    columns are kept (fits that differ only in ``seed`` are replicates; without it, one each)."""
+def summarize_fidelity(csvs: Iterable[os.PathLike | str], out_csv: os.PathLike | str,
+                       studies: dict[str, list] | None = None) -> pd.DataFrame:  # fmt: skip
+    """Concatenate the per-fit fidelity CSVs, one copy of a fit's rows per study it belongs to.
+
+    ``studies``: {csv path: [[study, setting_order], ...]} (rules/common.smk fidelity_studies);
+    a CSV it does not list is Table 1's (dimattn.sweeps.MAIN_STUDY, order 0).
+    """
+    from ..sweeps import MAIN_STUDY
+
     frames = []
     for path in csvs:
-        frame = pd.read_csv(path)
+        frame = pd.read_csv(path, dtype={"setting": str}, keep_default_na=False, na_values=[""])
         missing = [c for c in FIDELITY_COLUMNS if c not in frame.columns]
         if missing:
             raise ValueError(f"{path} lacks column(s) {missing}; expected {FIDELITY_COLUMNS}")
-        frames.append(frame)
+        for study, order in (studies or {}).get(str(path), [[MAIN_STUDY, 0]]):
+            frames.append(frame.assign(study=study, setting_order=int(order)))
     if not frames:
         raise ValueError("summarize_fidelity got no CSV files")
     df = _as_int(pd.concat(frames, ignore_index=True))
-    extra = [c for c in df.columns if c not in FIDELITY_COLUMNS]
     order = {o: i for i, o in enumerate(OBJECTIVE_ORDER)}
     df = df.sort_values(
-        ["model", "objective", "d_prime", *(["seed"] if "seed" in df.columns else []), "layer"],
+        ["study", "model", "setting_order", "objective", "d_prime", "seed", "layer"],
         key=lambda s: s.map(lambda o: order.get(o, len(order))) if s.name == "objective" else s,
         kind="stable",
     )
-    df = df[FIDELITY_COLUMNS + extra].reset_index(drop=True)
+    df = df[COLUMNS["dimpo_fidelity"]].reset_index(drop=True)
+    _write_csv(df, out_csv)
+    return df
+
+
+def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
+    """Projected models' scores (dimattn.evaluation.score_projected), long: one row per (model,
+    objective, d', l, kv, task, metric); held-out perplexity as task "perplexity:<corpus>",
+    metric "ppl"."""
+    rows = []
+    for path in jsons:
+        record = json.loads(Path(path).read_text())
+        missing = [k for k in DOWNSTREAM_FIELDS if k not in record and k != "share"]
+        if missing or "results" not in record or "perplexity" not in record:
+            raise ValueError(f"{path}: not a score_projected record (lacks {missing or 'results/perplexity'})")
+        fields = {k: record[k] for k in DOWNSTREAM_FIELDS if k != "share"}
+        fields["share"] = record["num_projected"] / record["n_layers"]
+        for corpus, ppl in record["perplexity"].items():
+            rows.append(fields | {"task": f"perplexity:{corpus}", "metric": "ppl", "value": ppl["ppl"], "stderr": None})
+        rows += [fields | row for row in _lm_eval_rows(record["results"])]
+    if not rows:
+        raise ValueError("summarize_downstream found no scores in its inputs")
+    order = {o: i for i, o in enumerate(["base", *OBJECTIVE_ORDER])}
+    df = _as_int(pd.DataFrame(rows)).sort_values(
+        ["model", "objective", "d_prime", "num_projected", "kv", "task", "metric"],
+        key=lambda s: s.map(lambda o: order.get(o, len(order))) if s.name == "objective" else s, kind="stable",
+    )
+    df = df[COLUMNS["dimpo_downstream"]].reset_index(drop=True)
     _write_csv(df, out_csv)
     return df

@@ -1,0 +1,129 @@
+"""DimPO's capture (seed 003, Section 3.3): run a frozen causal LM once and record post-RoPE
+queries, keys and values of its attention layers, saved by dimattn.projections.save_capture.
+
+Its own module because it needs transformers (about 3 s to import), which the many fit jobs
+(dimattn.projections) do not.
+"""
+
+import math
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .affine import _read_metadata
+from .hf import is_dimattn_directory, switch_attention
+from .projections import resolve_settings, save_capture
+
+CAPTURE_IMPLEMENTATION = "dimattn_capture"
+
+# Filled by _capture_attention while capture_qkv runs: {layer: {"q": [...], "k": [...], "v": [...]}}.
+_capture_store: dict[int, dict[str, list[torch.Tensor]]] | None = None
+_capture_layers: set[int] | None = None
+
+
+def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+    """Record (q, k, v) of ``module.layer_idx``, then attend exactly as ``sdpa`` would."""
+    layer = module.layer_idx
+    if _capture_store is not None and (_capture_layers is None or layer in _capture_layers):
+        q = query.detach().float()
+        scaling = kwargs.get("scaling")
+        if scaling is not None and abs(scaling * math.sqrt(q.shape[-1]) - 1.0) > 1e-6:
+            # psi is defined with 1/sqrt(d); fold any other model scaling into the queries.
+            q = q * (scaling * math.sqrt(q.shape[-1]))
+        entry = _capture_store.setdefault(layer, {"q": [], "k": [], "v": []})
+        entry["q"].append(q.cpu())
+        entry["k"].append(key.detach().float().cpu())
+        entry["v"].append(value.detach().float().cpu())
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(CAPTURE_IMPLEMENTATION, _capture_attention)
+# Models that build their masks through transformers build the same ones as for sdpa.
+AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, sdpa_mask)
+
+
+@torch.no_grad()
+def capture_qkv(model, input_ids: torch.LongTensor, *, layers=None, batch_size: int | None = None):
+    """Post-RoPE queries, keys and values of every (or the listed) attention layer.
+
+    input_ids: (N, T), unpadded. Returns {layer: {"q": (N, H, T, d), "k": (N, H_kv, T, d),
+    "v": (N, H_kv, T, d)}}, float32 on CPU. The model runs in eval mode without a KV cache,
+    ``batch_size`` sequences at a time; its outputs are unchanged and its attention
+    implementation and train/eval mode are restored afterwards.
+    """
+    global _capture_store, _capture_layers
+    previous, was_training = model.config._attn_implementation, model.training
+    device = next(model.parameters()).device
+    _capture_store, _capture_layers = {}, None if layers is None else set(layers)
+    try:
+        model.eval()
+        switch_attention(model, CAPTURE_IMPLEMENTATION)
+        for batch in input_ids.split(batch_size or len(input_ids)):
+            model(input_ids=batch.to(device), use_cache=False)
+        store = _capture_store
+    finally:
+        _capture_store, _capture_layers = None, None
+        switch_attention(model, previous)
+        model.train(was_training)
+    missing = sorted(set(layers) - set(store)) if layers is not None else []
+    if not store or missing:
+        raise RuntimeError(
+            f"no capture for layer(s) {missing or 'any'} of {type(model).__name__}: a layer index out of range, "
+            f"or attention that does not call ALL_ATTENTION_FUNCTIONS[config._attn_implementation]"
+        )
+    return {
+        layer: {name: torch.cat(parts) for name, parts in store[layer].items()} for layer in sorted(store)
+    }
+
+
+def document_windows(tokenizer, texts, seq_len: int, n_sequences: int, add_special_tokens: bool = False):
+    """(n_sequences, seq_len) token windows: the first seq_len tokens of each document, as in
+    seed 003 section 3.3 (first 4096 tokens of each chapter long enough), then the next
+    non-overlapping window of each document in turn if there are fewer documents than
+    sequences. Documents shorter than seq_len are skipped. The authors tokenise without
+    special tokens (``add_special_tokens=False``).
+    """
+    per_document = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        windows = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
+        if windows:
+            per_document.append(windows)
+    rounds = max((len(w) for w in per_document), default=0)
+    picked = [w[r] for r in range(rounds) for w in per_document if r < len(w)][:n_sequences]
+    if len(picked) < n_sequences:
+        raise ValueError(
+            f"the documents hold only {len(picked)} windows of {seq_len} tokens, need {n_sequences}"
+        )
+    return torch.tensor(picked, dtype=torch.long)
+
+
+def capture_to_file(source, documents, seq_len: int, n_sequences: int, out_path, model_name: str,
+                    device: str = "cpu", batch_size: int = 1, hparams=None) -> dict:  # fmt: skip
+    """Load the frozen model and tokenizer at ``source`` (our run directory or a hub name),
+    capture q/k/v on windows of the jsonl ``documents`` and save them; returns the metadata.
+
+    ``hparams`` (the fit hparams, with ``preset``) give ``capture_dtype`` and ``special_tokens``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .data import read_documents
+
+    settings = resolve_settings(None, hparams)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    # Remote code only for our own run directories; a hub model loads with transformers' own
+    # classes (Llama, Qwen2, ...) and never runs code from the hub.
+    ours = is_dimattn_directory(source)
+    dtype = torch.float32 if settings.capture_dtype == "float32" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=ours, dtype=dtype).to(device).eval()
+    texts = (doc["text"] for doc in read_documents(documents))
+    ids = document_windows(tokenizer, texts, seq_len, n_sequences, settings.special_tokens)
+    capture = capture_qkv(model, ids, batch_size=batch_size)
+    meta = {
+        "model": model_name, "source": str(source), "documents": str(documents),
+        "capture_dtype": settings.capture_dtype, "special_tokens": settings.special_tokens,
+    }  # fmt: skip
+    save_capture(capture, out_path, meta)
+    return _read_metadata(out_path)

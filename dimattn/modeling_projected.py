@@ -1,0 +1,333 @@
+"""Projected models (seed 003, Section 4): a frozen causal LM whose last l attention layers score
+keys with fitted low-dimensional query/key projections.
+
+On a projected layer, with F(x) = W x + b the layer's projection (dimattn.affine.Affine),
+
+    attention = Softmax(F(q) F(K)^T * s) V,    s = 1/sqrt(d') ("d_prime") or 1/sqrt(d) ("d"),
+
+values stay at full width, and keys are projected *before* the KV cache, so generation's cache
+holds d' numbers per key (``ProjectedCache``). The layers N-l .. N-1 are projected, as in the
+authors' code. The model's own attention implementation (SDPA) does the rest, so Llama, Qwen2,
+Qwen3 (GQA) and our own DimAttn vanilla runs are served by one attention function registered
+with transformers' ``AttentionInterface``; no hub code runs.
+
+A projected model is a model directory (:func:`save_projected_model`): ``config.json``
+(``ProjectedConfig``: the base model's path or hub name, l, the scale), ``projections.safetensors``,
+the tokenizer, and this module copied beside them, so that
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` (lm-eval's ``--model hf``
+included) returns the base model class with the projections attached. That loader is ours,
+saved with the directory; the base model itself loads with transformers' own classes (remote
+code only for our own DimAttn run directories).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from .affine import Affine, as_affine, load_projections, logit_scale
+from .atomic import atomic_dir
+from .hf import is_dimattn_directory, switch_attention
+from .kv_compression import KIVILayer, KIVISettings, SnapKVSettings, snapkv_compress
+
+PROJECTED_ATTENTION = "dimattn_projected"
+PROJECTIONS_FILE = "projections.safetensors"
+# Set on the key tensors a ProjectedCache returns: whether they are F(k) already (the attention
+# must not project them again), and the cache layer, which SnapKV compresses after the prefill.
+_PROJECTED_TAG = "_dimattn_projected"
+_LAYER_TAG = "_dimattn_cache_layer"
+
+
+def _apply(projection: Affine, x: torch.Tensor) -> torch.Tensor:
+    return projection.to(dtype=x.dtype, device=x.device)(x)
+
+
+def projected_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers' SDPA on every layer; on a projected one (``module.dimattn_projection`` set),
+    on F(q) and F(k) at the projection's scale. Keys a ProjectedCache returns are F(k) already.
+
+    The model's own ``scaling`` is folded into the queries first, as the capture that the
+    projection was fitted on did (dimattn.capture), so psi's 1/sqrt(d) convention holds.
+    """
+    projection = getattr(module, "dimattn_projection", None)
+    d = query.shape[-1]
+    if projection is not None:
+        if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-6:
+            query = query * (scaling * math.sqrt(d))
+        query = _apply(projection, query)
+        if not getattr(key, _PROJECTED_TAG, False):
+            key = _apply(projection, key)
+        scaling = module.dimattn_scale
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    layer = getattr(key, _LAYER_TAG, None)
+    if layer is not None:
+        layer.after_attention(query, 1.0 / math.sqrt(d) if scaling is None else scaling)
+    return out
+
+
+AttentionInterface.register(PROJECTED_ATTENTION, projected_attention)
+AttentionMaskInterface.register(PROJECTED_ATTENTION, sdpa_mask)
+
+
+# ---- the cache ----------------------------------------------------------------------------------
+
+
+class ProjectedLayer(DynamicLayer):
+    """One layer of a ProjectedCache: stores F(k) (d' numbers a key) on a projected layer, and
+    compresses its keys and values with KIVI (quantised as they age) or SnapKV (evicted once,
+    after the prefill) when the model asks for it (dimattn.kv_compression)."""
+
+    def __init__(self, projection: Affine | None = None, kivi: KIVISettings | None = None,
+                 snapkv: SnapKVSettings | None = None):  # fmt: skip
+        super().__init__()
+        if kivi is not None and snapkv is not None:
+            raise ValueError("KIVI and SnapKV are alternatives (seed 003, Table 5), not a combination")
+        self.projection = projection
+        self.kivi = KIVILayer(kivi) if kivi is not None else None
+        self.snapkv = snapkv
+        self.prefilled = False
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.projection is not None:
+            key_states = _apply(self.projection, key_states)
+        if self.kivi is None:
+            keys, values = super().update(key_states, value_states)
+        else:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            keys, values = self.kivi.update(key_states, value_states)
+            self.keys, self.values = self.kivi.dequantized()
+        setattr(keys, _PROJECTED_TAG, self.projection is not None)
+        setattr(keys, _LAYER_TAG, self)
+        return keys, values
+
+    def after_attention(self, queries, scale: float) -> None:
+        """SnapKV's eviction, once, after the prefill's attention: the prompt's last queries (F(q)
+        on a projected layer) score the cached keys with the logits the layer used."""
+        if self.prefilled:
+            return
+        self.prefilled = True
+        if self.snapkv is not None:
+            self.keys, self.values = snapkv_compress(queries, self.keys, self.values, self.snapkv, scale)
+
+    def nbytes(self) -> int:
+        """Bytes the layer holds: KIVI's packed codes, scales and residual, or the keys and values."""
+        if self.kivi is not None:
+            return self.kivi.nbytes()
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if isinstance(t, torch.Tensor))
+
+
+class ProjectedCache(Cache):
+    """A ProjectedLayer a model layer (projected or not), with the model's KV compression."""
+
+    def __init__(self, model):
+        kv = getattr(model, "dimattn_kv", None) or {}
+        kivi = KIVISettings(**kv["kivi"]) if "kivi" in kv else None
+        snapkv = SnapKVSettings(**kv["snapkv"]) if "snapkv" in kv else None
+        layers = [
+            ProjectedLayer(getattr(m, "dimattn_projection", None), kivi=kivi, snapkv=snapkv)
+            for _, m in sorted(attention_modules(model).items())
+        ]
+        super().__init__(layers=layers)
+
+    def nbytes(self) -> int:
+        """Bytes of the cached keys and values, compressed as stored."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def _cache_argument(kwargs) -> str:
+    return "cache" if "cache" in kwargs or "past_key_values" not in kwargs else "past_key_values"
+
+
+class ProjectedForwardMixin:
+    """Put in front of the base model's class by :func:`attach_projections`: every forward that
+    will cache keys caches F(k). generate() hands the model an empty DynamicCache; it is
+    replaced by a ProjectedCache, which the outputs carry back to generate()."""
+
+    def forward(self, *args, **kwargs):
+        name = _cache_argument(kwargs)
+        cache = kwargs.get(name)
+        use_cache = kwargs.get("use_cache")
+        use_cache = getattr(self.config, "use_cache", False) if use_cache is None else use_cache
+        if use_cache and not isinstance(cache, ProjectedCache):
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError(f"a projected model needs a ProjectedCache, got a filled {type(cache).__name__}")
+            kwargs[name] = ProjectedCache(self)
+        return super().forward(*args, **kwargs)
+
+
+# ---- attaching projections ------------------------------------------------------------------------
+
+
+def attention_modules(model) -> dict[int, torch.nn.Module]:
+    """{layer index: attention module}: the modules with a ``layer_idx`` that own query weights."""
+    found = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if idx is not None and any(hasattr(module, n) for n in ("q_proj", "query_key_value")):
+            found.setdefault(int(idx), module)
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no attention modules with a layer_idx")
+    return found
+
+
+def projected_layers(n_layers: int, num_projected: int) -> list[int]:
+    """The last ``num_projected`` layers, N-l .. N-1, as the authors project them."""
+    if not 0 <= num_projected <= n_layers:
+        raise ValueError(f"cannot project {num_projected} of {n_layers} layers")
+    return list(range(n_layers - num_projected, n_layers))
+
+
+def check_kv(kv: dict | None) -> dict:
+    """``kv`` as a dict, checked: {}, {"kivi": {...}} or {"snapkv": {...}} with valid settings."""
+    kv = dict(kv or {})
+    if set(kv) - {"kivi", "snapkv"} or len(kv) > 1:
+        raise ValueError(f"kv={kv!r}: one of {{'kivi': {{...}}}}, {{'snapkv': {{...}}}} or None")
+    for name, cls in (("kivi", KIVISettings), ("snapkv", SnapKVSettings)):
+        if name in kv:
+            cls(**kv[name])  # a bad setting fails here, naming its field
+    return kv
+
+
+def attach_projections(model, projections: dict, num_projected: int, scale: str = "d_prime", kv: dict | None = None):
+    """Project the last ``num_projected`` attention layers of ``model`` (in place; returned).
+
+    ``projections``: {layer: Affine or W} for (at least) those layers, fitted on this model's
+    post-RoPE queries and keys. ``scale``: "d_prime" (1/sqrt(d'), the scale the fits train at) or
+    "d" (1/sqrt(d), the authors' inference). num_projected = 0 gives the base model's outputs.
+    ``kv``: KV-cache compression of every layer, {"kivi": KIVISettings fields} or {"snapkv":
+    SnapKVSettings fields} (seed 003, Table 5), or None.
+    """
+    kv = check_kv(kv)
+    modules = attention_modules(model)
+    layers = projected_layers(len(modules), num_projected)
+    missing = [layer for layer in layers if layer not in projections]
+    if missing:
+        raise ValueError(f"no projection for layer(s) {missing}; the file has {sorted(projections)}")
+    for idx, module in modules.items():
+        if idx in layers:
+            projection = as_affine(projections[idx])
+            d_prime, d = projection.W.shape
+            module.dimattn_projection = projection
+            module.dimattn_scale = logit_scale(scale, d, d_prime)
+        else:
+            module.dimattn_projection = None
+    if not isinstance(model, ProjectedForwardMixin):
+        base = type(model)
+        model.__class__ = type(f"Projected{base.__name__}", (ProjectedForwardMixin, base), {})
+    switch_attention(model, PROJECTED_ATTENTION)
+    model.dimattn_kv = kv
+    model.config.dimattn_projection = {"projected_layers": layers, "scale": scale, "kv": kv}
+    return model
+
+
+# ---- the model directory ---------------------------------------------------------------------------
+
+
+class ProjectedConfig(PretrainedConfig):
+    """A projected model: the base model, which layers are projected and at which scale."""
+
+    model_type = "dimattn_projected"
+
+    def __init__(self, base_model: str = "", num_projected: int = 0, scale: str = "d_prime",
+                 projections: str = PROJECTIONS_FILE, base_trust_remote_code: bool = False, kv: dict | None = None,
+                 **kwargs):  # fmt: skip
+        super().__init__(**kwargs)
+        self.kv = kv
+        self.base_model = base_model
+        self.num_projected = num_projected
+        self.scale = scale
+        self.projections = projections
+        self.base_trust_remote_code = base_trust_remote_code
+
+
+class ProjectedForCausalLM(PreTrainedModel):
+    """Loader of a projected model directory: ``from_pretrained`` returns the base model's own
+    class (LlamaForCausalLM, ...) with the projections attached, so every tool that takes a
+    transformers causal LM (lm-eval's ``hf`` model, ``generate()``) runs it unchanged."""
+
+    config_class = ProjectedConfig
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, **kwargs):
+        directory = Path(pretrained_model_name_or_path)
+        config = config if isinstance(config, ProjectedConfig) else ProjectedConfig.from_pretrained(directory)
+        kwargs.pop("trust_remote_code", None)
+        base = config.base_model
+        if not Path(base).is_absolute() and (directory / base).exists():
+            base = str(directory / base)
+        model = AutoModelForCausalLM.from_pretrained(base, *args, trust_remote_code=config.base_trust_remote_code,
+                                                     **kwargs)  # fmt: skip
+        projections = load_projections(directory / config.projections)[0] if config.num_projected else {}
+        return attach_projections(model, projections, config.num_projected, config.scale, config.kv)
+
+
+def save_projected_model(out_dir, base_model: str, projections_path, num_projected: int, scale: str = "d_prime",
+                         kv: dict | None = None, meta: dict | None = None) -> Path:  # fmt: skip
+    """Write a projected model directory at ``out_dir`` (atomically): config, projections,
+    tokenizer, and this loader. ``base_model``: our run directory or a hub name; the base
+    weights are referenced, not copied. ``projections_path`` None: the base model itself
+    (num_projected 0), with ``kv`` compression if any."""
+    if projections_path is None and num_projected:
+        raise ValueError(f"num_projected={num_projected} needs a projections file")
+    pmeta = load_projections(projections_path)[1] if projections_path is not None else {}
+    n_layers = _base_layers(base_model)
+    projected_layers(n_layers, num_projected)  # a clear error for l > N
+    kv = check_kv(kv)
+    ours = is_dimattn_directory(base_model)
+    config = ProjectedConfig(
+        base_model=str(Path(base_model).resolve()) if ours or Path(base_model).exists() else base_model,
+        num_projected=num_projected, scale=scale, base_trust_remote_code=ours, kv=kv,
+    )  # fmt: skip
+    config.auto_map = {
+        "AutoConfig": "modeling_projected.ProjectedConfig",
+        "AutoModelForCausalLM": "modeling_projected.ProjectedForCausalLM",
+    }
+    config.dimattn_fit = {k: pmeta.get(k) for k in ("model", "objective", "seed", "preset", "d_prime")} | {
+        "n_layers": n_layers, **(meta or {})}
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        config.save_pretrained(tmp)
+        if projections_path is not None:
+            shutil.copyfile(projections_path, tmp / PROJECTIONS_FILE)
+        AutoTokenizer.from_pretrained(base_model).save_pretrained(tmp)
+        _copy_loader(tmp)
+    return out_dir
+
+
+def _copy_loader(directory: Path) -> None:
+    """This module and the modules it imports relatively, as transformers' remote-code loader
+    finds them, beside the config."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    for path in [__file__, *get_relative_import_files(__file__)]:
+        shutil.copyfile(path, directory / Path(path).name)
+
+
+def _base_layers(base_model: str) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(base_model, trust_remote_code=is_dimattn_directory(base_model))
+    return int(config.num_hidden_layers)
+
+
+__all__ = [
+    "PROJECTED_ATTENTION",
+    "ProjectedCache",
+    "ProjectedConfig",
+    "ProjectedForCausalLM",
+    "ProjectedLayer",
+    "attach_projections",
+    "attention_modules",
+    "projected_attention",
+    "projected_layers",
+    "save_projected_model",
+]

@@ -1,0 +1,62 @@
+"""dimattn.reporting.dimpo_downstream and summaries.summarize_downstream: projected models' scores
+relative to the base model, by share of layers projected (seed 003, Figures 2-3)."""
+
+import json
+
+import pytest
+from reporting_fixtures import DOWNSTREAM, REFERENCE, is_png, summary_path, table_line, write_downstream_jsons
+
+from dimattn.reporting import dimpo_downstream, outputs, summaries
+
+OUTPUTS = ["figures/dimpo_downstream.png", "tables/dimpo_downstream.tex"]
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    root = tmp_path_factory.mktemp("downstream")
+    summary = root / "summary"
+    df = summaries.summarize_downstream(write_downstream_jsons(root), summary_path(summary, "dimpo_downstream"))
+    written = outputs.render(OUTPUTS, summary, REFERENCE, root)
+    return df, {p.name: p for p in written}
+
+
+def test_summary_is_long_with_share_and_perplexity(rendered):
+    df, _ = rendered
+    assert list(df.columns) == summaries.COLUMNS["dimpo_downstream"]
+    assert len(df) == len(DOWNSTREAM) * 2  # accuracy and perplexity per model
+    assert list(dict.fromkeys(df["objective"])) == ["base", "pca", "dimpo", "kl"]  # the paper's order
+    ppl = df[df["task"] == "perplexity:shakespeare"]
+    assert set(ppl["metric"]) == {"ppl"} and ppl["stderr"].isna().all()
+    assert dict(zip(df["num_projected"], df["share"])) == {0: 0.0, 2: 0.5, 4: 1.0}
+
+
+def test_relative_scores_read_100_for_the_base_and_lower_for_worse(rendered):
+    df, _ = rendered
+    rel = dimpo_downstream.relative(df).set_index(["objective", "num_projected", "task"])["rel"]
+    assert rel[("base", 0, "dimattn_next_line")] == pytest.approx(100)
+    assert rel[("pca", 4, "dimattn_next_line")] == pytest.approx(100 * 0.30 / 0.40)
+    # perplexity: lower is better, so base / projected
+    assert rel[("pca", 4, "perplexity:shakespeare")] == pytest.approx(100 * 50 / 80)
+    with pytest.raises(ValueError, match="base-model"):
+        dimpo_downstream.relative(df[df["objective"] != "base"])
+
+
+def test_table_cells_are_relative_scores(rendered):
+    _, written = rendered
+    tex = written["dimpo_downstream.tex"].read_text()
+    cells = [c.strip() for c in table_line(tex, "PCA &").rstrip(" \\").split("&")[1:]]
+    assert cells == ["90.0", "75.0", f"{100 * 50 / 60:.1f}", f"{100 * 50 / 80:.1f}"]  # acc at l = 2, 4; then ppl
+    assert "(base 0.4)" in tex and r"$l{=}4$ (100\%)" in tex
+
+
+def test_figure_is_a_png(rendered):
+    _, written = rendered
+    assert is_png(written["dimpo_downstream.png"])
+
+
+def test_a_malformed_record_names_its_file(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"model": "m", "results": {}}))
+    with pytest.raises(ValueError, match="x.json: not a score_projected record"):
+        summaries.summarize_downstream([path], tmp_path / "out.csv")
+    assert not (tmp_path / "out.csv").exists()
