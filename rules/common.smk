@@ -107,7 +107,13 @@ def projected_input(wildcards):
     if wildcards.objective == sweeps.BASE_OBJECTIVE:
         return []
     setting = sweeps.setting_name(PLAN.dimpo["settings"][0])
-    return paths.projection(wildcards.model, wildcards.objective, setting, wildcards.d_prime, PLAN.dimpo["seeds"][0])
+    return paths.projection(
+        wildcards.model,
+        wildcards.objective,
+        setting,
+        wildcards.d_prime,
+        PLAN.dimpo["seeds"][0],
+    )
 
 
 def projected_tokens(wildcards):
@@ -181,6 +187,8 @@ def fidelity_studies():
     for fit in PLAN.dimpo_fits:
         for model in PLAN.dimpo_models:
             for seed in PLAN.dimpo["seeds"]:
-                path = paths.fidelity(model, fit.objective, fit.setting, fit.d_prime, seed)
+                path = paths.fidelity(
+                    model, fit.objective, fit.setting, fit.d_prime, seed
+                )
                 studies.setdefault(path, []).append([fit.study, fit.order])
     return studies

@@ -60,12 +60,18 @@ rule fit_projection:
         fit=paths.capture("{model}", "fit"),
         eval=paths.capture("{model}", "eval"),
     output:
-        projections=paths.projection("{model}", "{objective}", "{setting}", "{d_prime}", "{seed}"),
-        fidelity=paths.fidelity("{model}", "{objective}", "{setting}", "{d_prime}", "{seed}"),
+        projections=paths.projection(
+            "{model}", "{objective}", "{setting}", "{d_prime}", "{seed}"
+        ),
+        fidelity=paths.fidelity(
+            "{model}", "{objective}", "{setting}", "{d_prime}", "{seed}"
+        ),
     log:
         paths.log("dimpo", "fit_{model}_{objective}_{setting}_d{d_prime}_s{seed}"),
     benchmark:
-        paths.bench("fit_projection", "fit_{model}_{objective}_{setting}_d{d_prime}_s{seed}")
+        paths.bench(
+            "fit_projection", "fit_{model}_{objective}_{setting}_d{d_prime}_s{seed}"
+        )
     wildcard_constraints:
         setting=r"[^/]+",
         d_prime=r"\d+",
@@ -78,7 +84,8 @@ rule fit_projection:
         mem_mb=dimpo_resource("mem_mb"),
         gpu=gpu_count(),
     params:
-        hparams=lambda wc: PLAN.dimpo["hparams"] | {"seed": int(wc.seed), "setting": PLAN.dimpo_settings[wc.setting]},
+        hparams=lambda wc: PLAN.dimpo["hparams"]
+        | {"seed": int(wc.seed), "setting": PLAN.dimpo_settings[wc.setting]},
         device=PLAN.config["device"],
     script:
         "../workflow_scripts/fit_projection.py"
@@ -92,7 +99,9 @@ rule project_model:
         base=dimpo_model_dir,
         projections=projected_input,
     output:
-        directory(paths.projected_model("{model}", "{objective}", "{d_prime}", "{l}", "{kv}")),
+        directory(
+            paths.projected_model("{model}", "{objective}", "{d_prime}", "{l}", "{kv}")
+        ),
     log:
         paths.log("dimpo", "project_{model}_{objective}_d{d_prime}_l{l}_{kv}"),
     benchmark:
@@ -116,7 +125,9 @@ rule project_model:
 
 rule score_projected:
     input:
-        model=paths.projected_model("{model}", "{objective}", "{d_prime}", "{l}", "{kv}"),
+        model=paths.projected_model(
+            "{model}", "{objective}", "{d_prime}", "{l}", "{kv}"
+        ),
         tokens=projected_tokens,
         lm_eval_data=lm_eval_data_files(),
     output:
@@ -139,7 +150,9 @@ rule score_projected:
         downstream=PLAN.downstream,
         seq_len=PLAN.dimpo["capture"]["seq_len"],
         batch_size=PLAN.config["evaluation"]["perplexity"]["batch_size"],
-        corpora=lambda wc: PLAN.perplexity_datasets if "run" in PLAN.dimpo_models[wc.model] else [],
+        corpora=lambda wc: (
+            PLAN.perplexity_datasets if "run" in PLAN.dimpo_models[wc.model] else []
+        ),
         device=PLAN.config["device"],
     script:
         "../workflow_scripts/score_projected.py"

@@ -309,3 +309,65 @@ def test_snapkv_keeps_its_budget_after_the_prefill(monkeypatch):
         index = snapkv_indices(queries, before.keys, settings, scale)
         kept = before.keys.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, width))
         torch.testing.assert_close(layer.keys[:, :, :12], kept)
+
+
+def test_lm_eval_cli_scores_a_projected_tiny_llama_on_our_task_and_ruler(tmp_path):
+    """A projected directory of a random tiny Llama with GQA, through lm-eval's own CLI (`--model
+    hf`): our next-line task, and RULER's niah_single_1 (it generates its data, no download) at
+    2048 tokens, the shortest length we allow (dimattn.sweeps.RULER_MIN_LENGTH)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from dimattn import paths
+    from dimattn.evaluation import write_lm_eval_data
+
+    base = tmp_path / "llama"
+    words = ("the a of and to in is was he she it they on for with as at by from this that grass sky sun "
+             "green blue yellow here there go come magic number key value special hidden remember what").split()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {w: i + 3 for i, w in enumerate(dict.fromkeys(words))}
+    # Digits and punctuation, one token each, so that any RULER text tokenises.
+    for ch in "0123456789.,:;?!'\"-()[]{}/":
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Digits(True)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                        model_max_length=4096)  # fmt: skip
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(base)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2))  # fmt: skip
+    model.save_pretrained(base)
+    save_projections(random_projections(model), tmp_path / "p.safetensors", {"objective": "kl", "seed": 0})
+    projected = save_projected_model(tmp_path / "projected", str(base), tmp_path / "p.safetensors", num_projected=1)
+    docs = tmp_path / "docs.jsonl"
+    lines = "\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(8)) for i in range(60))
+    docs.write_text(json.dumps({"id": "d0", "text": lines}) + "\n")
+    # The task YAMLs read results/lm_eval_data/ of the directory lm-eval runs in.
+    data = {name: tmp_path / paths.lm_eval_data(name) for name in ("dimattn_heldout", "dimattn_next_line")}
+    write_lm_eval_data(docs, data, heldout_docs=1, next_line_docs=4, skip_lines=None, seed=0)
+
+    def cli(*args):
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        out = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "hf", "--model_args",
+                              f"pretrained={projected},trust_remote_code=True", *args, "--output_path",
+                              str(tmp_path / "out")], capture_output=True, text=True, timeout=600, env=env,
+                             cwd=tmp_path)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-4000:]
+        return out
+
+    cli("--tasks", "dimattn_next_line", "--include_path", str(Path(__file__).parents[1] / "dimattn/lm_eval_tasks"),
+        "--limit", "4", "--batch_size", "2")
+    cli("--tasks", "niah_single_1", "--limit", "1", "--batch_size", "1", "--apply_chat_template",
+        "--metadata", json.dumps({"max_seq_lengths": [2048]}))
+    results = [json.loads(p.read_text())["results"] for p in (tmp_path / "out").rglob("results_*.json")]
+    merged = {k: v for r in results for k, v in r.items()}
+    assert "dimattn_next_line" in merged and 0 <= merged["dimattn_next_line"]["acc,none"] <= 1
+    assert "niah_single_1" in merged and "2048,none" in merged["niah_single_1"]
