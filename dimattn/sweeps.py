@@ -76,14 +76,15 @@ NO_KV = "none"  # no KV-cache compression
 @dataclass(frozen=True)
 class Projected:
     """One projected model of dimpo.downstream, for every dimpo model: Table 1's fit of
-    ``objective`` at ``d_prime`` (its first setting and seed) on the last ``num_projected``
-    layers, with the KV compression ``kv`` (a name of dimpo.downstream.kv, or "none"). The base
-    model is objective "base", d' 0, l 0."""
+    ``objective`` at ``d_prime`` (its first setting, fit seed ``seed``) on the last
+    ``num_projected`` layers, with the KV compression ``kv`` (a name of dimpo.downstream.kv, or
+    "none"). The base model is objective "base", d' 0, l 0, seed 0."""
 
     objective: str
     d_prime: int
     num_projected: int
     kv: str
+    seed: int = 0
 
 
 class ConfigError(ValueError):
@@ -223,18 +224,20 @@ class Plan:
 
     @property
     def dimpo_projected(self) -> list[Projected]:
-        """The models dimpo.downstream scores: the base model, then every objective x d' x l,
-        each without and with every KV compression."""
+        """The models dimpo.downstream scores: the base model, then every objective x d' x l x
+        fit seed (dimpo.seeds: the spread of Figures 2-3), each without and with every KV
+        compression."""
         ds = self.downstream
         if not (self.dimpo_enabled and ds["objectives"]):
             return []
         kvs = [{"name": NO_KV}] + ds["kv"]
         return [Projected(BASE_OBJECTIVE, 0, 0, kv["name"]) for kv in kvs] + [
-            Projected(objective, d, l, kv["name"])
+            Projected(objective, d, l, kv["name"], seed)
             for objective in ds["objectives"]
             for d in ds["d_prime"]
             for l in ds["num_projected"]
             for kv in kvs
+            for seed in self.dimpo["seeds"]
             if objective in kv.get("objectives", [objective]) and l in kv.get("num_projected", [l])
         ]
 

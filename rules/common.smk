@@ -102,8 +102,8 @@ def dimpo_model_source(wildcards):
 
 
 def projected_input(wildcards):
-    """The projection a projected model applies: Table 1's fit (its first setting and seed);
-    none for the base model."""
+    """The projection a projected model applies: Table 1's fit (its first setting) with the
+    model's fit seed; none for the base model."""
     if wildcards.objective == sweeps.BASE_OBJECTIVE:
         return []
     setting = sweeps.setting_name(PLAN.dimpo["settings"][0])
@@ -112,7 +112,7 @@ def projected_input(wildcards):
         wildcards.objective,
         setting,
         wildcards.d_prime,
-        PLAN.dimpo["seeds"][0],
+        wildcards.seed,
     )
 
 
@@ -126,7 +126,7 @@ def projected_tokens(wildcards):
 
 def downstream_files():
     return [
-        paths.downstream(model, p.objective, p.d_prime, p.num_projected, p.kv)
+        paths.downstream(model, p.objective, p.d_prime, p.num_projected, p.kv, p.seed)
         for model in PLAN.dimpo_models
         for p in PLAN.dimpo_projected
     ]

@@ -100,15 +100,16 @@ rule project_model:
         projections=projected_input,
     output:
         directory(
-            paths.projected_model("{model}", "{objective}", "{d_prime}", "{l}", "{kv}")
+            paths.projected_model("{model}", "{objective}", "{d_prime}", "{l}", "{kv}", "{seed}")
         ),
     log:
-        paths.log("dimpo", "project_{model}_{objective}_d{d_prime}_l{l}_{kv}"),
+        paths.log("dimpo", "project_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}"),
     benchmark:
-        paths.bench("project_model", "project_{model}_{objective}_d{d_prime}_l{l}_{kv}")
+        paths.bench("project_model", "project_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}")
     wildcard_constraints:
         d_prime=r"\d+",
         l=r"\d+",
+        seed=r"\d+",
     conda:
         "../envs/torch.yaml"
     threads: 1
@@ -126,19 +127,20 @@ rule project_model:
 rule score_projected:
     input:
         model=paths.projected_model(
-            "{model}", "{objective}", "{d_prime}", "{l}", "{kv}"
+            "{model}", "{objective}", "{d_prime}", "{l}", "{kv}", "{seed}"
         ),
         tokens=projected_tokens,
         lm_eval_data=lm_eval_data_files(),
     output:
-        paths.downstream("{model}", "{objective}", "{d_prime}", "{l}", "{kv}"),
+        paths.downstream("{model}", "{objective}", "{d_prime}", "{l}", "{kv}", "{seed}"),
     log:
-        paths.log("dimpo", "score_{model}_{objective}_d{d_prime}_l{l}_{kv}"),
+        paths.log("dimpo", "score_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}"),
     benchmark:
-        paths.bench("score_projected", "score_{model}_{objective}_d{d_prime}_l{l}_{kv}")
+        paths.bench("score_projected", "score_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}")
     wildcard_constraints:
         d_prime=r"\d+",
         l=r"\d+",
+        seed=r"\d+",
     conda:
         "../envs/lm_eval.yaml"
     threads: 1

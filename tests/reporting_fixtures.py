@@ -246,17 +246,21 @@ DOWNSTREAM = {
 }  # fmt: skip
 
 
-def write_downstream_jsons(root: Path) -> list[Path]:
+def write_downstream_jsons(root: Path, seeds=(0,)) -> list[Path]:
+    """Fit seed s > 0 scores DOWNSTREAM's accuracy + 0.01 s and perplexity + s (the base model once)."""
     paths_ = []
-    for (objective, l), (acc, ppl) in DOWNSTREAM.items():
+    for (objective, l), (acc0, ppl0), seed in [(k, v, s) for k, v in DOWNSTREAM.items() for s in seeds]:
+        if objective == "base" and seed:
+            continue
+        acc, ppl = acc0 + 0.01 * seed, ppl0 + seed
         record = {
             "model": "tiny_vanilla_d128", "objective": objective, "d_prime": 0 if objective == "base" else 8,
-            "num_projected": l, "n_layers": 4, "scale": "d_prime", "kv": "none",
+            "num_projected": l, "n_layers": 4, "scale": "d_prime", "kv": "none", "seed": seed,
             "perplexity": {"shakespeare": {"ppl": ppl, "loss": math.log(ppl), "n_tokens": 1000}},
             "results": {"dimattn_next_line": {"alias": "dimattn_next_line", "acc,none": acc, "acc_stderr,none": 0.02}},
             "num_fewshot": {"dimattn_next_line": 0},
         }  # fmt: skip
-        path = root / "downstream" / f"{objective}-l{l}.json"
+        path = root / "downstream" / f"{objective}-l{l}-s{seed}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record))
         paths_.append(path)

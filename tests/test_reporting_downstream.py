@@ -60,3 +60,14 @@ def test_a_malformed_record_names_its_file(tmp_path):
     with pytest.raises(ValueError, match="x.json: not a score_projected record"):
         summaries.summarize_downstream([path], tmp_path / "out.csv")
     assert not (tmp_path / "out.csv").exists()
+
+
+def test_fit_seeds_give_a_spread(tmp_path):
+    summary = tmp_path / "summary"
+    summaries.summarize_downstream(write_downstream_jsons(tmp_path, seeds=(0, 1, 2)),
+                                   summary_path(summary, "dimpo_downstream"))  # fmt: skip
+    (table,) = outputs.render(["tables/dimpo_downstream.tex"], summary, REFERENCE, tmp_path)
+    cells = [c.strip() for c in table_line(table.read_text(), "PCA &").rstrip(" \\").split("&")[1:]]
+    # accuracy at l = 2: seeds 0.36, 0.37, 0.38 of 0.40 -> 92.5 [90.0, 95.0]
+    assert cells[0].startswith("92.5") and "[90.0, 95.0]" in cells[0]
+    assert "minimum and maximum" in table.read_text()

@@ -261,7 +261,7 @@ def test_model_directory_with_lm_eval_cli(smoke, tmp_path):
 
 def test_projected_model_directory_with_lm_eval_cli(smoke, tmp_path):
     """A projected model directory of the smoke run, through lm-eval's own CLI and `hf` model."""
-    model = "results/dimpo/tiny-vanilla/projected/kl-d4-l2-none"
+    model = "results/dimpo/tiny-vanilla/projected/kl-d4-l2-none-s0"
     out = subprocess.run(
         [str(BIN / "lm_eval"), "--model", "hf", "--model_args", f"pretrained={model},trust_remote_code=True",
          "--tasks", "dimattn_next_line", "--include_path", str(REPO / "dimattn/lm_eval_tasks"),
@@ -271,7 +271,7 @@ def test_projected_model_directory_with_lm_eval_cli(smoke, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     # The workflow's own score of that directory (score_projected, the same lm-eval model) agrees.
-    ours = json.loads((smoke / "results/dimpo/tiny-vanilla/downstream/kl-d4-l2-none.json").read_text())
+    ours = json.loads((smoke / "results/dimpo/tiny-vanilla/downstream/kl-d4-l2-none-s0.json").read_text())
     assert results["dimattn_next_line"]["acc,none"] == ours["results"]["dimattn_next_line"]["acc,none"]
     assert ours["num_projected"] == 2 and ours["n_layers"] == 2 and "shakespeare" in ours["perplexity"]
 

@@ -10,7 +10,8 @@ with logged(snakemake):
     model_dir = Path(snakemake.input.model)
     config = ProjectedConfig.from_pretrained(model_dir)
     fields = {"model": wc.model, "objective": wc.objective, "d_prime": int(wc.d_prime), "num_projected": int(wc.l),
-              "n_layers": config.dimattn_fit.get("n_layers"), "scale": config.scale, "kv": wc.kv}
+              "n_layers": config.dimattn_fit.get("n_layers"), "scale": config.scale, "kv": wc.kv,
+              "seed": int(wc.seed)}
     ds = p.downstream
     score_projected(model_dir=model_dir, fields=fields, tokens=dict(zip(p.corpora, map(Path, snakemake.input.tokens))),
                     seq_len=p.seq_len, batch_size=p.batch_size, max_tokens=ds["max_tokens"], tasks=ds["tasks"],

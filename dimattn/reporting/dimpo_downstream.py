@@ -17,8 +17,9 @@ import pandas as pd
 from ..sweeps import BASE_OBJECTIVE, NO_KV
 from . import latex, paper, plots
 from .dimpo import OBJECTIVE_LABELS, _rank
-from .latex import MISSING, Tex
+from .latex import MISSING, SpreadCells, Tex, fmt
 from .plots import OBJECTIVE_COLORS
+from .replicates import aggregate, seed_counts, spread
 
 LOWER_IS_BETTER = ("ppl", "perplexity", "bits_per_byte")
 
@@ -41,6 +42,14 @@ def relative(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+POINT = ["model", "task", "metric", "objective", "d_prime", "kv", "num_projected", "n_layers", "share"]
+
+
+def replicated(df: pd.DataFrame) -> pd.DataFrame:
+    """:func:`relative` scores, one row per point over the fit seeds (``rel_spread``: a Spread)."""
+    return aggregate(relative(df), ["rel", "value"], POINT)
+
+
 def _panels(df: pd.DataFrame) -> list[tuple[str, str]]:
     return list(dict.fromkeys(zip(df["task"], df["metric"])))
 
@@ -56,7 +65,7 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
     """Score relative to the base model vs. the share of layers projected: a panel per (model,
     task, metric) of ours, a line per objective (and d', KV compression); then the paper's
     RULER 4k and 8k by share of layers (Table 4, DimPO k=64, lambda=1)."""
-    df = relative(frames["dimpo_downstream"])
+    df = replicated(frames["dimpo_downstream"])
     ref = paper.read(reference_dir, "dimpo_ruler_by_layers")
     panels = [(m, t, metric) for m in dict.fromkeys(df["model"]) for t, metric in _panels(df[df["model"] == m])]
     n = len(panels) + 2
@@ -74,9 +83,9 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
                 start = base[base["kv"] == kv]
                 points = pd.concat([start, line]).sort_values("share")
                 label = _label(objective, d_prime, kv, many_d)
-                handle = ax.plot(points["share"] * 100, points["rel"], marker="o", lw=2,
-                                 color=OBJECTIVE_COLORS.get(objective, "0.3"),
-                                 ls="-" if kv == NO_KV else "--")[0]  # fmt: skip
+                handle = plots.line(ax, points["share"] * 100, [spread(r, "rel") for _, r in points.iterrows()],
+                                    marker="o", lw=2, color=OBJECTIVE_COLORS.get(objective, "0.3"),
+                                    ls="-" if kv == NO_KV else "--")  # fmt: skip
                 handles.setdefault(label, handle)
             ax.axhline(100, color="0.6", lw=1, ls=":")
             base_value = base[base["kv"] == NO_KV]["value"]
@@ -99,14 +108,15 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
         fig.legend(handles=list(handles.values()), labels=list(handles), loc="outside right center", frameon=False)
         fig.suptitle("Projected models at work: score relative to the base model vs. share of layers projected "
                      "(seed 003, Figures 2-3)\nours: Table 1's projections on the last l layers; dashed: with KV "
-                     "compression", fontsize=11)  # fmt: skip
+                     "compression" + plots.spread_note(seed_counts(df)), fontsize=11)  # fmt: skip
     return Path(path)
 
 
 def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
     """Per task and metric, the score relative to the base model (%) per objective, d' and KV
     compression (rows) and l (columns); the base model's own score in the group title."""
-    df = relative(frames["dimpo_downstream"])
+    df = replicated(frames["dimpo_downstream"])
+    cell = SpreadCells(seed_counts(df))
     models = list(dict.fromkeys(df["model"]))
     many_d = df.loc[df["objective"] != BASE_OBJECTIVE, "d_prime"].nunique() > 1
     shares = sorted(df.loc[df["objective"] != BASE_OBJECTIVE, "num_projected"].unique())
@@ -128,8 +138,8 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
         cells = []
         for sel in selections:
             line = sel[(sel["objective"] == objective) & (sel["d_prime"] == d_prime) & (sel["kv"] == kv)]
-            by_l = dict(zip(line["num_projected"], line["rel"]))
-            cells += [f"{by_l[l]:.1f}" if l in by_l else MISSING for l in shares]
+            by_l = {r["num_projected"]: spread(r, "rel") for _, r in line.iterrows()}
+            cells += [cell(by_l[l], lambda v: fmt(v, 1)) if l in by_l else MISSING for l in shares]
         body.append({"label": Tex(latex.escape(_label(objective, d_prime, kv, many_d))), "cells": cells,
                      "space": False})  # fmt: skip
     caption = (
@@ -141,4 +151,5 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
     return latex.render("dimpo_study.tex.j2", path, groups=groups, rows=body, function="dimpo_downstream.table",
                         caption=Tex(caption),
                         label="dimpo_downstream", row_header="Objective",
-                        rules=latex.cmidrules([len(g["columns"]) for g in groups], 2), spread_note="")  # fmt: skip
+                        rules=latex.cmidrules([len(g["columns"]) for g in groups], 2),
+                        spread_note=cell.note())  # fmt: skip

@@ -39,7 +39,7 @@ RUN_FIELDS = variants.RUN_FIELDS
 FIDELITY_COLUMNS = ["model", "objective", "setting", "d_prime", "head_dim", "seed", "layer", "kl", "mse",
                     "kl_inference", "mse_inference"]
 # A projected model of dimpo.downstream (dimattn.sweeps.Projected); share = l / n_layers.
-DOWNSTREAM_FIELDS = ["model", "objective", "d_prime", "num_projected", "n_layers", "share", "scale", "kv"]
+DOWNSTREAM_FIELDS = ["model", "objective", "d_prime", "num_projected", "n_layers", "share", "scale", "kv", "seed"]
 COLUMNS = {
     "dar_perplexity": RUN_FIELDS + ["corpus", "ppl", "rel_to_vanilla", "vanilla_seed", "split", "n_tokens", "loss"],
     "dar_trajectory": RUN_FIELDS
@@ -411,7 +411,7 @@ def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLik
         raise ValueError("summarize_downstream found no scores in its inputs")
     order = {o: i for i, o in enumerate(["base", *OBJECTIVE_ORDER])}
     df = _as_int(pd.DataFrame(rows)).sort_values(
-        ["model", "objective", "d_prime", "num_projected", "kv", "task", "metric"],
+        ["model", "objective", "d_prime", "num_projected", "kv", "seed", "task", "metric"],
         key=lambda s: s.map(lambda o: order.get(o, len(order))) if s.name == "objective" else s, kind="stable",
     )
     df = df[COLUMNS["dimpo_downstream"]].reset_index(drop=True)
