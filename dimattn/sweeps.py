@@ -333,7 +333,11 @@ def _need_dataset(p: Plan, key: str, name: str) -> None:
 
 
 def check_references(p: Plan) -> None:
-    """Every dataset, scale, run and objective one section names must exist in another."""
+    """Every dataset, scale, run and objective one section names must exist in another, and
+    the folder of the papers' numbers must exist (relative to the working directory)."""
+    reference = Path(p.config["reference_dir"])
+    if not reference.is_dir():
+        raise ConfigError("reference_dir", f"no folder {reference} in {Path.cwd()}: the papers' numbers live there")
     tok = p.config["tokenizer"]
     if bool(tok.get("train_on")) == bool(tok.get("hub")):
         raise ConfigError("tokenizer", "set exactly one of tokenizer.train_on and tokenizer.hub")

@@ -164,6 +164,7 @@ BAD = {
     "ablation d_prime > head_dim": (lambda c: c["dimpo"]["ablations"]["quirks"].update(d_prime=[64]),
                                     "dimpo.ablations.quirks.d_prime"),
     "table 1 repeated setting": (lambda c: c["dimpo"].update(settings=[{}, {}]), "dimpo.settings[1]"),
+    "reference_dir missing": (lambda c: c.update(reference_dir="no/such/folder"), "config key reference_dir"),
     "downstream objective not fitted": (lambda c: downstream(c, objectives=["orpo"]), "dimpo.downstream.objectives"),
     "downstream d_prime not fitted": (lambda c: downstream(c, d_prime=[3]), "dimpo.downstream.d_prime"),
     "downstream without layers": (lambda c: downstream(c, num_projected=[]), "dimpo.downstream.num_projected"),
