@@ -3,8 +3,9 @@
     python benchmarks/projected.py                 # CPU: a small Llama (GQA), 2 threads
     python benchmarks/projected.py --device cuda   # the same shapes on CUDA, bf16
 
-Each line compares a setting with the base model, measured in the same process, interleaved
-(medians of repeats), so that machine noise hits both sides alike:
+Each line compares a setting with the base model, measured in the same process, the two back
+to back in every repeat (the median of the repeats' ratios), so that machine noise hits both
+sides alike:
 
 (a) prefill of a ``--prompt``-token prompt: time / the base model's;
 (b) decoding ``--new`` tokens after it: time per token / the base model's;
@@ -110,22 +111,18 @@ def main():
         models[name] = attach_projections(copy.deepcopy(base), p, layers, kv=kv)
     for model in models.values():
         run(model, prompt, 2, args.device)  # warm-up
-    times = {name: [] for name in models}
-    for _ in range(args.repeats):
-        for name, model in models.items():
-            times[name].append(run(model, prompt, args.new, args.device))
-    base_prefill, base_decode, base_bytes = (statistics.median(t[i] for t in times["base"]) for i in range(3))
     meta = {"device": args.device, "dtype": str(dtype).removeprefix("torch."), "prompt": args.prompt,
             "new": args.new, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads}
-    for name in list(models)[1:]:
-        prefill, decode, nbytes = (statistics.median(t[i] for t in times[name]) for i in range(3))
-        print(json.dumps({"name": f"(a) prefill / base: {name}", "ratio": prefill / base_prefill,
-                          "seconds": prefill, "base_seconds": base_prefill, **meta}))
-        print(json.dumps({"name": f"(b) decode per token / base: {name}", "ratio": decode / base_decode,
-                          "seconds": decode, "base_seconds": base_decode, **meta}))
-        print(json.dumps({"name": f"(c) cache bytes / base: {name}", "ratio": nbytes / base_bytes,
-                          "bytes": nbytes, "base_bytes": base_bytes, **meta}))
-
+    for name, model in list(models.items())[1:]:
+        # base and setting back to back, repeats times: each ratio pairs two neighbouring runs
+        pairs = [(run(base, prompt, args.new, args.device), run(model, prompt, args.new, args.device))
+                 for _ in range(args.repeats)]  # fmt: skip
+        for i, (what, unit) in enumerate((("(a) prefill", "seconds"), ("(b) decode per token", "seconds"),
+                                          ("(c) cache bytes", "bytes"))):  # fmt: skip
+            ratio = statistics.median(b_s[i] and m_s[i] / b_s[i] for b_s, m_s in pairs)
+            print(json.dumps({"name": f"{what} / base: {name}", "ratio": ratio,
+                              unit: statistics.median(m_s[i] for _, m_s in pairs),
+                              f"base_{unit}": statistics.median(b_s[i] for b_s, _ in pairs), **meta}))
 
 if __name__ == "__main__":
     main()
