@@ -11,24 +11,92 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 from .atomic import atomic_file
+
+
+class DamagedFileError(ValueError):
+    """A projections or capture file that is truncated, corrupt or not what its metadata says;
+    the message names the file and what is wrong."""
 
 
 def _metadata(meta: Mapping) -> dict[str, str]:
     return {key: json.dumps(value) for key, value in meta.items()}
 
 
-def _read_metadata(path) -> dict:
+def _read_metadata(path, what: str = "file") -> dict:
     with safe_open(str(path), framework="pt") as f:
-        return {key: json.loads(value) for key, value in (f.metadata() or {}).items()}
+        raw = f.metadata() or {}
+    meta = {}
+    for key, value in raw.items():
+        try:
+            meta[key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DamagedFileError(f"{what} {path}: metadata {key!r} is not JSON ({e}): {value[:80]!r}") from None
+    return meta
+
+
+def _load_layers(path, parts: tuple[str, ...], what: str) -> tuple[dict[int, dict[str, torch.Tensor]], dict]:
+    """({layer: {part: tensor}}, metadata) from a safetensors file of ``layer{l}.{part}``
+    tensors; a missing, truncated or corrupt file, or a tensor of another name, is refused with
+    the file named."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    try:
+        tensors = load_file(str(path))
+        meta = _read_metadata(path, what)
+    except (SafetensorError, OSError) as e:
+        raise DamagedFileError(
+            f"{what} {path} is not a readable safetensors file ({e}): truncated or corrupt; "
+            "delete it and rerun the step that wrote it"
+        ) from None
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        layer, _, part = name.partition(".")
+        number = layer.removeprefix("layer")
+        if not (layer.startswith("layer") and number.isdigit() and part in parts):
+            expected = " or ".join(f"layer<l>.{p}" for p in parts)
+            raise DamagedFileError(f"{what} {path}: unexpected tensor {name!r} (expected {expected})")
+        layers.setdefault(int(number), {})[part] = tensor
+    if not layers:
+        raise DamagedFileError(f"{what} {path} holds no tensors")
+    return dict(sorted(layers.items())), meta
+
+
+def _check_meta(path, what: str, meta: dict, derived: dict) -> None:
+    """Refuse a file whose metadata contradicts (or lacks) what its tensors say."""
+    for key, value in derived.items():
+        if key not in meta:
+            raise DamagedFileError(f"{what} {path}: metadata has no {key!r} (the tensors say {value!r})")
+        if meta[key] != value:
+            raise DamagedFileError(f"{what} {path}: metadata says {key}={meta[key]!r}, the tensors say {value!r}")
+
+
+def _sort_metadata(path: Path) -> None:
+    """safetensors writes the metadata in hash order, which changes from process to process:
+    rewrite the header in place, same length, with the metadata sorted, so that equal contents
+    give equal bytes (a rerun reproduces the file exactly)."""
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        meta = header.pop("__metadata__", None)
+        if not meta:
+            return
+        text = json.dumps({"__metadata__": dict(sorted(meta.items())), **header}, separators=(",", ":"),
+                          ensure_ascii=False).encode()  # fmt: skip
+        if len(text) <= size:  # the same JSON, reordered: always, unless escapes were written differently
+            f.seek(8)
+            f.write(text.ljust(size, b" "))
 
 
 def _save_atomic(tensors, path, metadata) -> None:
     """safetensors into a temp sibling, then rename: a killed job leaves no half-written file."""
     with atomic_file(Path(path)) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
+        _sort_metadata(tmp)
 
 
 class Affine(NamedTuple):
@@ -89,18 +157,53 @@ def save_projections(projections, path, meta: Mapping | None = None) -> None:
 
 
 def load_projections(path):
-    """({layer: Affine}, meta) as written by :func:`save_projections`."""
-    parts: dict[int, dict[str, torch.Tensor]] = {}
-    for name, tensor in load_file(str(path)).items():
-        layer, part = name.split(".")
-        parts.setdefault(int(layer.removeprefix("layer")), {})[part] = tensor
-    projections = {layer: Affine(p["W"], p.get("b")) for layer, p in sorted(parts.items())}
-    return projections, _read_metadata(path)
+    """({layer: Affine}, meta) as written by :func:`save_projections`. A truncated or corrupt
+    file, a layer without W, W of another shape than the other layers' or a bias of another
+    length than d', or metadata that contradicts the tensors, is refused naming the file."""
+    what = "projections file"
+    parts, meta = _load_layers(path, ("W", "b"), what)
+    first = min(parts)
+    for layer, p in parts.items():
+        if "W" not in p:
+            raise DamagedFileError(f"{what} {path}: layer {layer} has a bias but no W")
+        if p["W"].dim() != 2:
+            raise DamagedFileError(f"{what} {path}: layer{layer}.W has shape {tuple(p['W'].shape)}, not (d', d)")
+        if p["W"].shape != parts[first]["W"].shape:
+            raise DamagedFileError(
+                f"{what} {path}: layer{layer}.W has shape {tuple(p['W'].shape)}, "
+                f"layer{first}.W {tuple(parts[first]['W'].shape)}"
+            )
+        if ("b" in p) != ("b" in parts[first]):
+            raise DamagedFileError(f"{what} {path}: some layers have a bias, others not (layer {layer})")
+        if "b" in p and tuple(p["b"].shape) != (p["W"].shape[0],):
+            raise DamagedFileError(
+                f"{what} {path}: layer{layer}.b has shape {tuple(p['b'].shape)}, W maps to d'={p['W'].shape[0]}"
+            )
+    d_prime, d = parts[first]["W"].shape
+    derived = {"d_prime": d_prime, "head_dim": d, "layers": sorted(parts), "bias": "b" in parts[first]}
+    _check_meta(path, what, meta, derived)
+    projections = {layer: Affine(p["W"], p.get("b")) for layer, p in parts.items()}
+    return projections, meta
 
 
-# ---- training instances and pairs ---------------------------------------------------------------
+def check_head_dim(projections, head_dim: int, source) -> None:
+    """Refuse projections fitted on heads of another width than ``head_dim``; ``source`` (the
+    file) is named in the message."""
+    shapes = {layer: tuple(as_affine(p).W.shape) for layer, p in projections.items()}
+    wrong = {layer: shape for layer, shape in shapes.items() if shape[-1] != head_dim}
+    if wrong:
+        got = ", ".join(f"layer {layer}: W {shape}" for layer, shape in sorted(wrong.items()))
+        raise ValueError(f"{source}: projections map {head_dim}-dimensional heads as W (d', {head_dim}); got {got}")
 
-# Key vectors gathered at once when building pairs (instances x keys x d).
 
 
-__all__ = ["Affine", "as_affine", "load_projections", "logit_scale", "projected_logits", "save_projections"]
+__all__ = [
+    "Affine",
+    "DamagedFileError",
+    "as_affine",
+    "check_head_dim",
+    "load_projections",
+    "logit_scale",
+    "projected_logits",
+    "save_projections",
+]

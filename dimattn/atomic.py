@@ -5,6 +5,7 @@ Snakemake (or a person) to mistake for a finished one.
 """
 
 import os
+import re
 import secrets
 import shutil
 from contextlib import contextmanager
@@ -16,10 +17,28 @@ def _temp_sibling(dest: Path) -> Path:
     return dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
 
 
+def remove_stale_temps(dest) -> None:
+    """Remove the temp siblings of dest that a killed writer left behind (``.<name>.<8
+    chars>.tmp``: ours, and tempfile's with suffix ".tmp"). Only the one job that makes dest
+    writes them, and it calls this before it starts, so none of them is in use."""
+    dest = Path(dest)
+    if not dest.parent.is_dir():
+        return
+    pattern = re.compile(rf"\.{re.escape(dest.name)}\.[A-Za-z0-9_]{{8}}\.tmp")
+    for tmp in dest.parent.iterdir():
+        if pattern.fullmatch(tmp.name):
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+
+
 @contextmanager
 def atomic_file(dest: Path):
     """Yield a temp path to write; it becomes dest only if the block succeeds."""
+    dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(dest)
     tmp = _temp_sibling(dest)
     try:
         yield tmp
@@ -31,7 +50,9 @@ def atomic_file(dest: Path):
 @contextmanager
 def atomic_dir(dest: Path):
     """Yield an empty temp dir to fill; it replaces dest only if the block succeeds."""
+    dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(dest)
     tmp = _temp_sibling(dest)
     tmp.mkdir()
     try:

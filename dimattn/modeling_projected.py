@@ -33,7 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from .affine import Affine, as_affine, load_projections, logit_scale
+from .affine import Affine, as_affine, check_head_dim, load_projections, logit_scale
 from .atomic import atomic_dir
 from .hf import is_dimattn_directory, switch_attention
 from .kv_compression import KIVILayer, KIVISettings, SnapKVSettings, snapkv_compress
@@ -197,14 +197,16 @@ def check_kv(kv: dict | None) -> dict:
     return kv
 
 
-def attach_projections(model, projections: dict, num_projected: int, scale: str = "d_prime", kv: dict | None = None):
+def attach_projections(model, projections: dict, num_projected: int, scale: str = "d_prime", kv: dict | None = None,
+                       source="projections"):  # fmt: skip
     """Project the last ``num_projected`` attention layers of ``model`` (in place; returned).
 
     ``projections``: {layer: Affine or W} for (at least) those layers, fitted on this model's
     post-RoPE queries and keys. ``scale``: "d_prime" (1/sqrt(d'), the scale the fits train at) or
     "d" (1/sqrt(d), the authors' inference). num_projected = 0 gives the base model's outputs.
     ``kv``: KV-cache compression of every layer, {"kivi": KIVISettings fields} or {"snapkv":
-    SnapKVSettings fields} (seed 003, Table 5), or None.
+    SnapKVSettings fields} (seed 003, Table 5), or None. ``source`` (the projections file) is
+    named in errors.
     """
     kv = check_kv(kv)
     modules = attention_modules(model)
@@ -212,6 +214,8 @@ def attach_projections(model, projections: dict, num_projected: int, scale: str 
     missing = [layer for layer in layers if layer not in projections]
     if missing:
         raise ValueError(f"no projection for layer(s) {missing}; the file has {sorted(projections)}")
+    for layer in layers:
+        check_head_dim({layer: projections[layer]}, modules[layer].head_dim, source)
     for idx, module in modules.items():
         if idx in layers:
             projection = as_affine(projections[idx])
@@ -267,7 +271,8 @@ class ProjectedForCausalLM(PreTrainedModel):
         model = AutoModelForCausalLM.from_pretrained(base, *args, trust_remote_code=config.base_trust_remote_code,
                                                      **kwargs)  # fmt: skip
         projections = load_projections(directory / config.projections)[0] if config.num_projected else {}
-        return attach_projections(model, projections, config.num_projected, config.scale, config.kv)
+        return attach_projections(model, projections, config.num_projected, config.scale, config.kv,
+                                  source=directory / config.projections)
 
 
 def save_projected_model(out_dir, base_model: str, projections_path, num_projected: int, scale: str = "d_prime",

@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from .affine import Affine, _metadata, _read_metadata, _save_atomic, as_affine, load_projections, logit_scale
+from .affine import Affine, DamagedFileError, _check_meta, _load_layers, _metadata, _save_atomic, as_affine
+from .affine import check_head_dim, load_projections, logit_scale
 from .affine import projected_logits, save_projections
 from .atomic import atomic_file
 from .objectives import get_objective, pca_projection, select_pairs
@@ -64,12 +64,37 @@ def save_capture(capture, path, meta: Mapping | None = None) -> None:
 
 
 def load_capture(path):
-    """(capture, meta) as written by :func:`save_capture`."""
-    capture: dict[int, dict[str, torch.Tensor]] = {}
-    for name, tensor in load_file(str(path)).items():
-        layer, part = name.split(".")
-        capture.setdefault(int(layer.removeprefix("layer")), {})[part] = tensor
-    return dict(sorted(capture.items())), _read_metadata(path)
+    """(capture, meta) as written by :func:`save_capture`. A truncated or corrupt file, a layer
+    missing q, k or v, shapes that disagree (q (N, H, T, d), k and v (N, H_kv, T, .), H a
+    multiple of H_kv, every layer alike) or metadata contradicting them is refused naming the
+    file."""
+    what = "capture"
+    capture, meta = _load_layers(path, ("q", "k", "v"), what)
+    first = min(capture)
+    for layer, qkv in capture.items():
+        missing = [part for part in "qkv" if part not in qkv]
+        if missing:
+            raise DamagedFileError(f"{what} {path}: layer {layer} has no {' or '.join(missing)} tensor")
+        shapes = {part: tuple(t.shape) for part, t in qkv.items()}
+        q, k, v = shapes["q"], shapes["k"], shapes["v"]
+        ok = (
+            len(q) == len(k) == len(v) == 4
+            and q[0] == k[0] == v[0] and q[2] == k[2] == v[2]  # sequences, positions
+            and q[3] == k[3] and k[1] == v[1] and k[1] > 0 and q[1] % k[1] == 0  # head_dim, GQA groups
+        )  # fmt: skip
+        if not ok:
+            raise DamagedFileError(
+                f"{what} {path}: layer {layer} has q {q}, k {k}, v {v}; expected q (N, H, T, d), "
+                "k (N, H_kv, T, d) and v (N, H_kv, T, d_v) with H a multiple of H_kv"
+            )
+        if layer != first and shapes != {part: tuple(t.shape) for part, t in capture[first].items()}:
+            ref = {part: tuple(t.shape) for part, t in capture[first].items()}
+            raise DamagedFileError(f"{what} {path}: layer {layer} has shapes {shapes}, layer {first} {ref}")
+    n, heads, seq_len, head_dim = capture[first]["q"].shape
+    derived = dict(head_dim=head_dim, heads=heads, kv_heads=capture[first]["k"].shape[1], seq_len=seq_len,
+                   n_sequences=n, layers=sorted(capture))  # fmt: skip
+    _check_meta(path, what, meta, derived)
+    return capture, meta
 
 
 # ---- settings --------------------------------------------------------------------------------
@@ -588,6 +613,7 @@ def fidelity_to_file(capture_path, projections_path, out_csv, model_name: str, o
 
     capture, meta = load_capture(capture_path)
     projections, pmeta = load_projections(projections_path)
+    check_head_dim(projections, meta["head_dim"], projections_path)
     settings = resolve_settings(None, pmeta.get("settings"))
 
     def score(scale):

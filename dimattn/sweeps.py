@@ -335,9 +335,14 @@ def _need_dataset(p: Plan, key: str, name: str) -> None:
 def check_references(p: Plan) -> None:
     """Every dataset, scale, run and objective one section names must exist in another, and
     the folder of the papers' numbers must exist (relative to the working directory)."""
+    from .reporting.paper import missing
+
     reference = Path(p.config["reference_dir"])
     if not reference.is_dir():
         raise ConfigError("reference_dir", f"no folder {reference} in {Path.cwd()}: the papers' numbers live there")
+    if missing(reference):
+        raise ConfigError("reference_dir", f"{reference} lacks {', '.join(str(m) for m in missing(reference))}; "
+                                            "restore it from the repository's reference/")
     tok = p.config["tokenizer"]
     if bool(tok.get("train_on")) == bool(tok.get("hub")):
         raise ConfigError("tokenizer", "set exactly one of tokenizer.train_on and tokenizer.hub")

@@ -27,6 +27,7 @@ import io
 import json
 import math
 import os
+import pickle
 import shutil
 import sys
 from dataclasses import asdict, dataclass
@@ -317,13 +318,64 @@ def evaluate_loss(
 
 
 def _atomic_torch_save(obj, path: Path) -> None:
-    with atomic_file(path) as tmp:
-        torch.save(obj, tmp)
+    # Through a file object: torch.save names the zip's records after a path it is given (here
+    # the random temp name), so equal checkpoints would differ in bytes.
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        torch.save(obj, f)
+
+
+_CHECKPOINT_KEYS = ("format", "identity", "step", "model", "optimizer", "metrics")
+
+
+def _damaged(path: Path, what: str) -> TrainingError:
+    return TrainingError(
+        f"checkpoint {path} {what}; delete {path.parent} to start this run over (nothing else is lost)"
+    )
 
 
 def _load_checkpoint(path: Path):
-    # Our own checkpoint; weights_only refuses anything but tensors and plain containers.
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """Our own checkpoint; weights_only refuses anything but tensors and plain containers. A
+    truncated or corrupt file, or one without our keys, is refused naming the file."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        refused = "holds objects that torch.load(weights_only=True) refuses: not a checkpoint of ours"
+        raise _damaged(path, refused) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        # torch's first sentence says what failed; the rest is advice about other files
+        reason = " ".join(str(e).split()).split(". ")[0] or type(e).__name__
+        raise _damaged(path, f"is truncated or corrupt ({reason[:200]})") from None
+    if not isinstance(state, dict):
+        raise _damaged(path, f"is not a checkpoint (it holds a {type(state).__name__})")
+    return state
+
+
+def _restore(state: dict, model, optimizer, max_steps: int, ckpt_path: Path) -> tuple[int, list]:
+    """Load a checkpoint that _check_resumable accepted into model and optimizer; (step, metrics
+    rows). Every inconsistency is found here, before the first step."""
+    step, rows = state["step"], state["metrics"]
+    if type(step) is not int or not 0 < step <= max_steps:
+        raise _damaged(ckpt_path, f"holds step {step!r}, not one of 1..{max_steps}")
+    if not isinstance(rows, list) or len(rows) != step or any(len(r) != len(METRICS_COLUMNS) for r in rows):
+        raise _damaged(ckpt_path, f"holds {len(rows) if isinstance(rows, list) else rows!r} metrics rows "
+                                  f"of {len(METRICS_COLUMNS)} fields for step {step}")  # fmt: skip
+    try:
+        model.load_state_dict(state["model"])
+    except (RuntimeError, KeyError, TypeError, AttributeError) as e:
+        reason = " ".join(str(e).split())[:1000]
+        raise _damaged(ckpt_path, f"holds weights that do not fit this model: {reason}") from None
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        reason = " ".join(str(e).split())[:500]
+        raise _damaged(ckpt_path, f"holds optimizer state that does not fit this model: {reason}") from None
+    for i, (param, moments) in enumerate(optimizer.state.items()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in moments or moments[key].shape != param.shape:
+                got = tuple(moments[key].shape) if key in moments else "nothing"
+                raise _damaged(ckpt_path, f"holds optimizer state {key} of shape {got} for a parameter of "
+                                          f"shape {tuple(param.shape)} (parameter {i})")  # fmt: skip
+    return step, [list(r) for r in rows]
 
 
 def _identity(model_spec: dict, train_cfg: TrainConfig, vocab_size: int, precision: str) -> dict:
@@ -348,6 +400,10 @@ def _identity_changes(saved: dict, current: dict) -> list[str]:
 def _check_resumable(state: dict, identity: dict, ckpt_path: Path) -> None:
     if state.get("format") != CHECKPOINT_FORMAT:
         changes = [f"checkpoint format {state.get('format', 1)!r}, expected {CHECKPOINT_FORMAT}"]
+    elif not set(_CHECKPOINT_KEYS) <= set(state):
+        raise _damaged(ckpt_path, f"lacks {sorted(set(_CHECKPOINT_KEYS) - set(state))} (it has {sorted(state)})")
+    elif not (isinstance(state["identity"], dict) and all(isinstance(v, dict) for v in state["identity"].values())):
+        raise _damaged(ckpt_path, f"has a malformed identity {state['identity']!r:.200}")
     else:
         changes = _identity_changes(state["identity"], identity)
     if changes:
@@ -456,9 +512,7 @@ def _train(
     if ckpt_path.exists():  # resume a killed job from its last checkpoint
         state = _load_checkpoint(ckpt_path)
         _check_resumable(state, identity, ckpt_path)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, rows = int(state["step"]), [list(r) for r in state["metrics"]]
+        step, rows = _restore(state, model, optimizer, cfg.max_steps, ckpt_path)
     if procs.main:
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         _remove_stale_temps(ckpt_path, metrics_path, out_dir)

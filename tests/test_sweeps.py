@@ -276,3 +276,13 @@ def test_downstream_plan():
     assert len(projected) == 2 + 2 * 1 * 2 * 2  # base x kv, then objectives x d' x l x kv
     assert plan.kv_settings("kivi2") == {"kivi": {"bits": 2, "group_size": 32, "residual": 128}}  # schema defaults
     assert plan.kv_settings("none") == {} and "downstream" in plan.dimpo_studies
+
+
+def test_a_missing_reference_csv_is_refused_before_any_job(tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(REPO / "reference", tmp_path / "reference")
+    (tmp_path / "reference" / "dimpo_ablation.csv").unlink()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(sweeps.ConfigError, match=r"config key reference_dir: reference lacks reference/dimpo_ablation.csv"):
+        plan_of(DEFAULT)

@@ -147,9 +147,10 @@ def test_tampered_download_is_rejected_and_leaves_nothing(tmp_path):
 # --- the smoke config through the whole DAG ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    work = workdir(tmp_path_factory.mktemp("smoke"))
+def run_smoke(root: Path) -> tuple[Path, float]:
+    """The standalone smoke config through the whole DAG in a scratch copy at ``root``: (the
+    directory, wall seconds). tests/conftest.py runs it once a session for every test file."""
+    work = workdir(root)
     t0 = time.perf_counter()
     out = snakemake("--cores", "2", "--configfile", "configs/smoke.yaml", "--replace-workflow-config", cwd=work, timeout=900)
     wall = time.perf_counter() - t0
@@ -157,7 +158,12 @@ def smoke(tmp_path_factory):
         logs = "".join(f"\n== {p}\n{p.read_text()[-3000:]}" for p in sorted((work / "logs").rglob("*.log")))
         pytest.fail(f"smoke run failed:\n{out.stderr[-5000:]}\n{logs[-20000:]}")
     print(f"\nsmoke workflow wall time: {wall:.0f} s")
-    return work
+    return work, wall
+
+
+@pytest.fixture(scope="module")
+def smoke(smoke_run):
+    return smoke_run[0]
 
 
 def test_smoke_summaries(smoke):

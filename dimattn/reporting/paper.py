@@ -8,6 +8,7 @@ fidelity of Llama-3.1-8B heads, d = 128). Seed 001 prints no numbers we could se
 
 from __future__ import annotations
 
+import csv
 from fractions import Fraction
 from pathlib import Path
 
@@ -22,6 +23,19 @@ FILES = {
     "dimpo_ablation": "dimpo_ablation.csv",
     "dimpo_ruler_by_layers": "dimpo_ruler_by_layers.csv",
 }
+# The columns each file must have (its readers use them); a file may have more.
+COLUMNS = {
+    "dar": ("source", "model", "variant", "d_model", "d_down", "window", "rel_ppl_pct"),
+    "dar_downstream": ("source", "d_model", "d_down", "window", "rel_score_pct"),
+    "dar_tasks": ("source", "task", "metric"),
+    "qualitative": ("source", "finding"),
+    "dimpo": ("source", "model", "objective", "k", "lambda", "d_prime", "kl", "mse"),
+    "dimpo_ablation": ("source", "objective", "k", "lambda", "plus_kl", "llama31_8b_kl", "qwen3_4b_kl"),
+    "dimpo_ruler_by_layers": ("source", "model", "method", "k", "lambda", "d_prime", "share_of_layers_pct",
+                              "ruler_4k", "ruler_8k"),
+}
+# Files whose readers do without them (dar_task_metrics, finding).
+OPTIONAL = ("dar_tasks", "qualitative")
 # Seed 003, Section 4: every model it projects has head dimension d = 128.
 DIMPO_HEAD_DIM = 128
 # Seed 003 Table 1 row order; objectives we do not run still appear as paper-only rows.
@@ -30,12 +44,41 @@ OBJECTIVE_ORDER = ["random", "pca", "triplet", "cpo", "simpo", "orpo", "dimpo_li
 METRIC_NAMES = {"flexible-extract exact match": "exact_match,flexible-extract"}
 
 
+class PaperFileError(ValueError):
+    """A damaged file of the papers' numbers; the message names it and what is wrong."""
+
+
+def missing(reference_dir: Path) -> list[Path]:
+    """The files of the papers' numbers that reference_dir lacks, the optional ones aside:
+    what a run can check before any job starts."""
+    paths = [Path(reference_dir) / name for key, name in FILES.items() if key not in OPTIONAL]
+    return [path for path in paths if not path.is_file()]
+
+
 def read(reference_dir: Path, key: str) -> pd.DataFrame:
     path = Path(reference_dir) / FILES[key]
+    restore = "restore it from the repository's reference/ (git checkout -- reference/)"
     if not path.exists():
         raise FileNotFoundError(
             f"paper numbers {path} are missing; reference_dir should be the repository's reference/"
         )
+    # Every row as wide as the header: a row cut short (a truncated file) is refused, not read
+    # as empty cells, which the files use for "not given".
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = [row for row in csv.reader(f) if row]
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise PaperFileError(f"paper numbers {path} are not a UTF-8 CSV ({e}); {restore}") from None
+    if not rows:
+        raise PaperFileError(f"paper numbers {path} are empty; {restore}")
+    lacking = [c for c in COLUMNS[key] if c not in rows[0]]
+    if lacking:
+        raise PaperFileError(f"paper numbers {path} lack column(s) {lacking} (header {rows[0]}); {restore}")
+    for line, row in enumerate(rows[1:], 2):
+        if len(row) != len(rows[0]):
+            raise PaperFileError(
+                f"paper numbers {path}: record {line} has {len(row)} fields, the header {len(rows[0])}; {restore}"
+            )
     # Strings keep the values exactly as the paper prints them (99.61, 0.079).
     return pd.read_csv(path, dtype=str, keep_default_na=False)
 
