@@ -100,12 +100,16 @@ rule project_model:
         projections=projected_input,
     output:
         directory(
-            paths.projected_model("{model}", "{objective}", "{d_prime}", "{l}", "{kv}", "{seed}")
+            paths.projected_model(
+                "{model}", "{objective}", "{d_prime}", "{l}", "{kv}", "{seed}"
+            )
         ),
     log:
         paths.log("dimpo", "project_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}"),
     benchmark:
-        paths.bench("project_model", "project_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}")
+        paths.bench(
+            "project_model", "project_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}"
+        )
     wildcard_constraints:
         d_prime=r"\d+",
         l=r"\d+",
@@ -136,7 +140,9 @@ rule score_projected:
     log:
         paths.log("dimpo", "score_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}"),
     benchmark:
-        paths.bench("score_projected", "score_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}")
+        paths.bench(
+            "score_projected", "score_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}"
+        )
     wildcard_constraints:
         d_prime=r"\d+",
         l=r"\d+",
