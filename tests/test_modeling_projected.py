@@ -251,6 +251,12 @@ def test_kivi_cache_quantises_projected_keys(monkeypatch):
     attach_projections(model, projections, 2, kv={"kivi": {"bits": 2, "group_size": 4, "residual": 32}})
     same, cache = greedy(model, prompt)
     assert torch.equal(same, plain) and all(layer.kivi is not None for layer in cache.layers)
+    # KIVI leaves the prefill's attention exact, so loglikelihoods (one forward) do not move.
+    with torch.no_grad():
+        attach_projections(model, projections, 2)
+        exact = model(prompt, use_cache=True).logits
+        attach_projections(model, projections, 2, kv={"kivi": {"bits": 2, "group_size": 4, "residual": 8}})
+        torch.testing.assert_close(model(prompt, use_cache=True).logits, exact, rtol=0, atol=0)
     # R = 8: every layer's cache is KIVI's own layer fed that layer's (projected) keys step by step.
     calls = {}
     update = kv_compression.KIVILayer.update

@@ -198,12 +198,10 @@ def test_smoke_summaries(smoke):
     lm = pd.read_csv(smoke / "results/summary/lm_eval.csv")
     assert {"dimattn_heldout", "dimattn_next_line"} <= set(lm["task"])
     down = pd.read_csv(smoke / "results/summary/dimpo_downstream.csv")
-    # base + KL at l = 1, 2; each without and with KIVI; next-line acc, acc_norm and perplexity
-    assert len(down) == 3 * 2 * 3 and set(down["num_projected"]) == {0, 1, 2}
-    ppl = down[down["metric"] == "ppl"].set_index(["objective", "num_projected", "kv"])["value"]
-    assert ppl[("kl", 2, "none")] != ppl[("base", 0, "none")]  # projecting both layers changes the model
-    # KIVI leaves prefill attention exact: loglikelihood scores are the uncompressed ones.
-    assert ppl[("kl", 2, "kivi2")] == pytest.approx(ppl[("kl", 2, "none")])
+    # base + KL at l = 1, 2; next-line acc, acc_norm and perplexity
+    assert len(down) == 3 * 3 and set(down["num_projected"]) == {0, 1, 2}
+    ppl = down[down["metric"] == "ppl"].set_index(["objective", "num_projected"])["value"]
+    assert ppl[("kl", 2)] != ppl[("base", 0)]  # projecting both layers changes the model
 
 
 def test_smoke_tables_and_figures(smoke):
