@@ -11,8 +11,8 @@ import tarfile
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
+from corpus_fixtures import token_corpus
 import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -27,7 +27,6 @@ from dimattn.training import TrainConfig, TrainingError, pretrain
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = "the king queen sword crown night day love death fool heart blood ghost storm sea ship lord".split()
 MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "attention": "dar", "window": 4,
          "d_down": 8}
 CFG = TrainConfig(seq_len=16, batch_size=4, max_steps=2, lr=3e-3, warmup_frac=0.2, eval_interval=2,
@@ -51,16 +50,7 @@ def snapshot(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A byte-level BPE (vocab 300) and train/validation token files (~3k and ~1k tokens)."""
-    root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    for split, n_docs in (("train", 40), ("validation", 12)):
-        docs = [{"id": f"{split}{i}", "text": " ".join(rng.choice(WORDS) for _ in range(40)) + "."}
-                for i in range(n_docs)]  # fmt: skip
-        data.write_documents(docs, root / f"{split}.jsonl")
-    data.train_tokenizer(root / "train.jsonl", vocab_size=300, out_dir=root / "tokenizer")
-    for split in ("train", "validation"):
-        data.tokenize_documents(root / f"{split}.jsonl", root / "tokenizer", root / f"{split}.bin")
-    return root
+    return token_corpus(tmp_path_factory.mktemp("corpus"), 40, 12, words_per_doc=40)
 
 
 def damaged_copy(corpus: Path, tmp_path: Path) -> Path:

@@ -4,7 +4,6 @@ stale checkpoints, NaN stops, "auto" precision, and windows aligned to fixed-len
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from corpus_fixtures import token_corpus
 import torch
 from safetensors.torch import load_file
 
@@ -40,22 +40,12 @@ MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "a
 # float32: the layouts compared below (micro-batches, DDP) must agree to rounding, which bfloat16 would blur.
 CFG = TrainConfig(seq_len=16, batch_size=8, max_steps=6, lr=3e-3, warmup_frac=0.2, eval_interval=3,
                   eval_batches=1, checkpoint_interval=3, precision="fp32")
-WORDS = "the king queen sword crown night day love death fool heart blood ghost storm sea ship lord".split()
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A byte-level BPE (vocab 300) and train/validation token files, ~18k and ~5k tokens."""
-    root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    for split, n_docs in (("train", 120), ("validation", 30)):
-        docs = [{"id": f"{split}{i}", "text": " ".join(rng.choice(WORDS) for _ in range(60)) + "."}
-                for i in range(n_docs)]
-        data.write_documents(docs, root / f"{split}.jsonl")
-    data.train_tokenizer(root / "train.jsonl", vocab_size=300, out_dir=root / "tokenizer")
-    for split in ("train", "validation"):
-        data.tokenize_documents(root / f"{split}.jsonl", root / "tokenizer", root / f"{split}.bin")
-    return root
+    return token_corpus(tmp_path_factory.mktemp("corpus"), 120, 30, words_per_doc=60)
 
 
 def train(corpus, root: Path, cfg: TrainConfig = CFG, model=MODEL, run="run") -> Path:
