@@ -267,14 +267,6 @@ def _setting_label(setting: str, base: str = "") -> str:
     return Tex(latex.escape(", ".join(parts) or base or "dimpo.hparams as configured"))
 
 
-def _study_table(groups, rows, counts, path, function, caption, label, row_header, cell) -> Path:
-    return latex.render(
-        "dimpo_study.tex.j2", path, groups=groups, rows=rows, function=f"dimpo.{function}", caption=caption, label=label,
-        row_header=row_header, rules=latex.cmidrules([len(g["columns"]) for g in groups], 2),
-        spread_note=cell.note(),
-    )  # fmt: skip
-
-
 def quirks_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
     """The authors' preset against ours, one choice flipped at a time (study ``quirks``): per
     setting, KL and MSE at the train scale (as Table 1) and KL at the inference scale, per
@@ -306,8 +298,8 @@ def quirks_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pat
         f"{n_layers} layers (lower is better). KL and MSE at the training logit scale, as Table 1 scores them; "
         r"KL$_\text{inf}$ at the inference scale, what the model sees once the projection replaces its attention."
     )
-    return _study_table(groups, rows, seed_counts(means), path, "quirks_table", Tex(caption), "dimpo_quirks",
-                        "Settings", cell)  # fmt: skip
+    return latex.grouped_table(path, "dimpo.quirks_table", groups, rows, Tex(caption), "dimpo_quirks", "Settings",
+                               cell.note())  # fmt: skip
 
 
 def ablation_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
@@ -350,8 +342,8 @@ def ablation_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: P
         "(lower is better). The paper's key lists hold 4,096 keys, ours the capture's sequence length, so "
         "a given k covers a larger share of ours."
     )
-    return _study_table(groups, rows, seed_counts(means), path, "ablation_table", Tex(caption), "dimpo_ablation",
-                        "Objective", cell)  # fmt: skip
+    return latex.grouped_table(path, "dimpo.ablation_table", groups, rows, Tex(caption), "dimpo_ablation",
+                               "Objective", cell.note())  # fmt: skip
 
 
 # Appendix B Figure 4: the study, its panel title, and the setting field on its x axis.

@@ -148,8 +148,5 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
         "base / projected), per objective. The paper's RULER results are in its Tables 2-5 "
         "(reference/dimpo\\_ruler\\_*.csv); ours are CPU-scale tasks."
     )
-    return latex.render("dimpo_study.tex.j2", path, groups=groups, rows=body, function="dimpo_downstream.table",
-                        caption=Tex(caption),
-                        label="dimpo_downstream", row_header="Objective",
-                        rules=latex.cmidrules([len(g["columns"]) for g in groups], 2),
-                        spread_note=cell.note())  # fmt: skip
+    return latex.grouped_table(path, "dimpo_downstream.table", groups, body, Tex(caption), "dimpo_downstream",
+                               "Objective", cell.note())

@@ -105,6 +105,15 @@ def render(template: str, path: Path, **context) -> Path:
     return write_text(path, _env().get_template(template).render(**context))
 
 
+def grouped_table(path: Path, generator: str, groups: list[dict], rows: list[dict], caption, label: str,
+                  row_header: str, spread_note="") -> Path:
+    """``templates/dimpo_study.tex.j2``: column groups ({"title", "columns"}) over rows ({"label",
+    "cells", "space"}); ``generator`` names the function in the file's first comment."""
+    return render("dimpo_study.tex.j2", path, groups=groups, rows=rows, function=generator, caption=caption,
+                  label=label, row_header=row_header, rules=cmidrules([len(g["columns"]) for g in groups], 2),
+                  spread_note=spread_note)  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- numbers
 
 
