@@ -6,6 +6,7 @@ Its own module because it needs transformers (about 3 s to import), which the ma
 """
 
 import math
+from pathlib import Path
 
 import torch
 from transformers import AttentionInterface
@@ -100,10 +101,27 @@ def document_windows(tokenizer, texts, seq_len: int, n_sequences: int, add_speci
     return torch.tensor(picked, dtype=torch.long)
 
 
+def token_windows(tokens_bin, seq_len: int, n_sequences: int):
+    """(n_sequences, seq_len) windows of a token corpus (dimattn.data), from its start. A corpus of
+    fixed-length examples (meta ``example_len``, the recall probe's) is cut at its examples, so
+    seq_len must be that length."""
+    from .data import DataError, load_tokens
+
+    tokens, meta = load_tokens(tokens_bin)
+    example_len = meta.get("example_len")
+    if example_len is not None and seq_len != example_len:
+        raise DataError(f"{tokens_bin} holds examples of {example_len} tokens; capture at seq_len {example_len}, "
+                        f"not {seq_len}")  # fmt: skip
+    if len(tokens) < seq_len * n_sequences:
+        raise DataError(f"{tokens_bin} holds {len(tokens)} tokens, fewer than {n_sequences} windows of {seq_len}")
+    return torch.from_numpy(tokens[: seq_len * n_sequences].astype("int64").reshape(n_sequences, seq_len))
+
+
 def capture_to_file(source, documents, seq_len: int, n_sequences: int, out_path, model_name: str,
                     device: str = "cpu", batch_size: int = 1, hparams=None) -> dict:  # fmt: skip
     """Load the frozen model and tokenizer at ``source`` (our run directory or a hub name),
-    capture q/k/v on windows of the jsonl ``documents`` and save them; returns the metadata.
+    capture q/k/v on windows of the jsonl ``documents`` (or of a token corpus ``.bin``, see
+    :func:`token_windows`) and save them; returns the metadata.
 
     ``hparams`` (the fit hparams, with ``preset``) give ``capture_dtype`` and ``special_tokens``.
     """
@@ -112,14 +130,17 @@ def capture_to_file(source, documents, seq_len: int, n_sequences: int, out_path,
     from .data import read_documents
 
     settings = resolve_settings(None, hparams)
-    tokenizer = AutoTokenizer.from_pretrained(source)
     # Remote code only for our own run directories; a hub model loads with transformers' own
     # classes (Llama, Qwen2, ...) and never runs code from the hub.
     ours = is_dimattn_directory(source)
     dtype = torch.float32 if settings.capture_dtype == "float32" else torch.bfloat16
+    if Path(documents).suffix == ".bin":  # a token corpus of our own (the synthetic recall probe's)
+        ids = token_windows(documents, seq_len, n_sequences)
+    else:
+        texts = (doc["text"] for doc in read_documents(documents))
+        ids = document_windows(AutoTokenizer.from_pretrained(source), texts, seq_len, n_sequences,
+                               settings.special_tokens)  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=ours, dtype=dtype).to(device).eval()
-    texts = (doc["text"] for doc in read_documents(documents))
-    ids = document_windows(tokenizer, texts, seq_len, n_sequences, settings.special_tokens)
     capture = capture_qkv(model, ids, batch_size=batch_size)
     meta = {
         "model": model_name, "source": str(source), "documents": str(documents),

@@ -198,15 +198,25 @@ def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_js
 
 def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_len: int, batch_size: int,
                     max_tokens: int | None, tasks: list[dict], limit: int | None, out_json: Path,
-                    metadata: dict | None = None, device: str = "cpu") -> dict:  # fmt: skip
+                    metadata: dict | None = None, device: str = "cpu",
+                    recall: dict[str, Path] | None = None) -> dict:  # fmt: skip
     """A projected model directory (dimattn.modeling_projected) scored as our runs are: held-out
-    perplexity per corpus ({corpus: tokens.bin}) and lm-eval's `hf` model on ``tasks``; JSON with
-    ``fields`` (model, objective, d', l, kv, ...) beside."""
-    record = {**fields, "perplexity": {}, "results": {}, "num_fewshot": {}}
-    if tokens:
+    perplexity per corpus ({corpus: tokens.bin}), the recall probe per synthetic corpus
+    ({corpus: test tokens.bin}; the context prefilled and the questions decoded through the
+    model's KV cache, so that KV compression acts: dimattn.recall.score_recall, seed 003's RULER
+    at CPU scale) and lm-eval's `hf` model on ``tasks``; JSON with ``fields`` (model, objective,
+    d', l, kv, ...) beside."""
+    from .recall import load_examples, score_recall
+
+    for path in (recall or {}).values():
+        load_examples(path)  # a damaged corpus fails before any scoring
+    record = {**fields, "perplexity": {}, "recall": {}, "results": {}, "num_fewshot": {}}
+    if tokens or recall:
         model = load_model(model_dir, device)
         for corpus, path in tokens.items():
             record["perplexity"][corpus] = perplexity(model, load_tokens(path)[0], seq_len, batch_size, max_tokens)
+        for corpus, path in (recall or {}).items():
+            record["recall"][corpus] = score_recall(model, path, batch_size, through_cache=True)
         del model
     if tasks:
         record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata))

@@ -251,3 +251,13 @@ class KIVILayer:
         codes = math.ceil(bits * key_quant.numel() / 8) + math.ceil(bits * value_quant.numel() / 8)
         residual = key_full.numel() * key_full.element_size() + value_full.numel() * value_full.element_size()
         return codes + 2 * FP16_BYTES * groups + residual
+
+
+def kv_fields(kv: dict | None) -> dict:
+    """{"kv_method", "kv_level"} of a model's compression ({"kivi": {...}}, {"snapkv": {...}} or
+    none): the method and its bits or token budget, what Table 5's columns are."""
+    if kv and "kivi" in kv:
+        return {"kv_method": "kivi", "kv_level": int(kv["kivi"]["bits"])}
+    if kv and "snapkv" in kv:
+        return {"kv_method": "snapkv", "kv_level": int(kv["snapkv"]["budget"])}
+    return {"kv_method": "none", "kv_level": 0}

@@ -395,33 +395,67 @@ def score_queries(predictions: np.ndarray, queries: np.ndarray, bins: list[int])
     return {"accuracy": float(correct.mean()), "n_queries": int(len(correct)), "by_distance": by_distance}
 
 
-def predict_at_queries(model, examples: np.ndarray, queries: np.ndarray, batch_size: int) -> np.ndarray:
-    """The model's argmax (over the whole vocabulary) at each query position."""
+def _predict(examples: np.ndarray, queries: np.ndarray, batch_size: int, device, argmax) -> np.ndarray:
+    """``argmax`` (a (b, L) token batch -> the (b, >= L - 1) argmax at each position) at each
+    query position, ``batch_size`` examples at a time."""
     import torch
 
-    device = next(model.parameters()).device
     predictions = np.empty(len(queries), dtype=np.int64)
     with torch.no_grad():
         for start in range(0, len(examples), batch_size):
             stop = min(start + batch_size, len(examples))
             x = torch.from_numpy(np.ascontiguousarray(examples[start:stop], dtype=np.int64)).to(device)
-            argmax = model(x).logits.argmax(-1).cpu().numpy()  # (b, L)
+            found = argmax(x).cpu().numpy()
             sel = (queries[:, 0] >= start) & (queries[:, 0] < stop)
-            predictions[sel] = argmax[queries[sel, 0] - start, queries[sel, 1]]
+            predictions[sel] = found[queries[sel, 0] - start, queries[sel, 1]]
     return predictions
 
 
-def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: str = "cpu",
-                    distance_bins: list[int] | None = None, corpus: str = "recall",
-                    max_examples: int | None = None) -> dict:
-    """Recall accuracy on every example of tokens_bin (or the first max_examples), as JSON.
+def predict_at_queries(model, examples: np.ndarray, queries: np.ndarray, batch_size: int) -> np.ndarray:
+    """The model's argmax (over the whole vocabulary) at each query position."""
+    device = next(model.parameters()).device
+    return _predict(examples, queries, batch_size, device, lambda x: model(x).logits.argmax(-1))
+
+
+def predict_through_cache(model, examples: np.ndarray, queries: np.ndarray, prefill: int,
+                          batch_size: int) -> np.ndarray:  # fmt: skip
+    """The model's argmax at each query position when the first ``prefill`` tokens of an
+    example are one prompt and the rest are fed a token at a time through the model's KV cache
+    (teacher forced): the context is prefilled and cached, the questions are decoded against
+    that cache, which is where KV-cache compression acts (SnapKV evicts from the prompt's cache
+    once, after the prefill; KIVI quantises tokens as they age). Positions are passed
+    explicitly, since an evicting cache is shorter than the sequence it has seen. Without
+    compression the predictions are those of :func:`predict_at_queries`."""
+    import torch
+
+    length = examples.shape[1]
+    if not 1 <= prefill < length:
+        raise ValueError(f"prefill must be in 1..{length - 1}, got {prefill}")
+    device = next(model.parameters()).device
+
+    def argmax(x):
+        positions = torch.arange(length, device=device).expand(len(x), length)
+        out = model(input_ids=x[:, :prefill], position_ids=positions[:, :prefill], use_cache=True)
+        steps = [out.logits.argmax(-1)]
+        for t in range(prefill, length - 1):  # the last token predicts nothing scored
+            out = model(input_ids=x[:, t : t + 1], position_ids=positions[:, t : t + 1],
+                        past_key_values=out.past_key_values, use_cache=True)  # fmt: skip
+            steps.append(out.logits.argmax(-1))
+        return torch.cat(steps, dim=1)  # (b, L - 1)
+
+    return _predict(examples, queries, batch_size, device, argmax)
+
+
+def score_recall(model, tokens_bin, batch_size: int, distance_bins: list[int] | None = None,
+                 max_examples: int | None = None, through_cache: bool = False) -> dict:  # fmt: skip
+    """Recall accuracy of a loaded model on the examples of tokens_bin (or the first
+    max_examples), overall and by distance bin, with the split and chance level.
 
     distance_bins: increasing edges; bin i holds distances in [edge_i, edge_{i+1}). Default:
-    four equal-width bins over the possible distances.
+    four equal-width bins over the possible distances. ``through_cache``: the context (every
+    token before the first query slot, ``min_query_pos``) is prefilled and the rest decoded
+    through the KV cache (:func:`predict_through_cache`); else one forward of each example.
     """
-    from .evaluation import load_model
-    from .runs import run_metadata
-
     if type(batch_size) is not int or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     examples, meta = load_examples(tokens_bin)
@@ -432,14 +466,33 @@ def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: st
     if len(bins) < 2 or any(a >= b for a, b in zip(bins[:-1], bins[1:])):
         raise ValueError(f"distance_bins must be >= 2 increasing edges, got {distance_bins!r}")
     queries = find_queries(examples, layout)
-    model = load_model(Path(model_dir), device)
     if model.config.vocab_size < meta["vocab_size"]:
         raise ValueError(f"model vocab_size {model.config.vocab_size} < corpus vocab_size {meta['vocab_size']}")
-    predictions = predict_at_queries(model, examples, queries, batch_size)
+    if through_cache:
+        predictions = predict_through_cache(model, examples, queries, layout["min_query_pos"], batch_size)
+    else:
+        predictions = predict_at_queries(model, examples, queries, batch_size)
     n_values = layout["value_ids"][1] - layout["value_ids"][0]
-    result = {**run_metadata(Path(model_dir)), "corpus": corpus, "split": meta.get("split", "test")}
-    result.update(score_queries(predictions, queries, bins))
+    result = {"split": meta.get("split", "test"), **score_queries(predictions, queries, bins)}
     result["chance"] = 1.0 / n_values
+    if through_cache:
+        result["prefill"] = layout["min_query_pos"]
+    return result
+
+
+def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: str = "cpu",
+                    distance_bins: list[int] | None = None, corpus: str = "recall",
+                    max_examples: int | None = None) -> dict:
+    """Recall accuracy (:func:`score_recall`) of the run at model_dir, as JSON."""
+    from .evaluation import load_model
+    from .runs import run_metadata
+
+    if type(batch_size) is not int or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    load_examples(tokens_bin)  # a damaged corpus fails before the model loads
+    model = load_model(Path(model_dir), device)
+    result = {**run_metadata(Path(model_dir)), "corpus": corpus}
+    result.update(score_recall(model, tokens_bin, batch_size, distance_bins, max_examples))
     with atomic_file(Path(out_json)) as tmp:
         tmp.write_text(json.dumps(result, indent=2))
     return result

@@ -213,33 +213,74 @@ class Plan:
     @property
     def dimpo_studies(self) -> tuple[str, ...]:
         """The studies fitted (reporting.outputs.Asked.dimpo), and "downstream" where projected
-        models are scored: none without DimPO models."""
+        models are scored, "long_context" and "kv" where that includes a long-context probe and
+        KV compression on it: none without DimPO models."""
         if not self.dimpo_enabled:
             return ()
-        return tuple(dict.fromkeys(f.study for f in self.dimpo_fits)) + (("downstream",) if self.dimpo_projected else ())
+        studies = tuple(dict.fromkeys(f.study for f in self.dimpo_fits))
+        if not self.dimpo_projected:
+            return studies
+        # long context: the recall probe, or RULER on a hub model (seed 003 Tables 2-3); "kv":
+        # compression scored there (Table 5)
+        ruler = any(t["name"] in RULER_TASKS for t in self.downstream["tasks"])
+        long = [m for m in self.dimpo_models if self.dimpo_probe(m) == "recall" or (ruler and self.dimpo_probe(m) == "hub")]
+        kv = any(p.kv != NO_KV for m in long for p in self.projected(m))
+        return studies + ("downstream",) + (("long_context",) if long else ()) + (("kv",) if kv else ())
 
     @property
     def downstream(self) -> dict:
         return self.dimpo["downstream"]
 
-    @property
-    def dimpo_projected(self) -> list[Projected]:
-        """The models dimpo.downstream scores: the base model, then every objective x d' x l x
-        fit seed (dimpo.seeds: the spread of Figures 2-3), each without and with every KV
-        compression."""
+    def study_models(self, study: str) -> list[str]:
+        """The dimpo models a study fits: every one, or those its ``models`` lists."""
+        spec = self.dimpo["ablations"].get(study, {})
+        return spec.get("models", list(self.dimpo_models))
+
+    def dimpo_probe(self, model: str) -> str:
+        """How a dimpo model is captured and scored downstream: "recall" (our run on a synthetic
+        recall corpus: captured on it, scored on the recall probe through the KV cache), "text"
+        (our run on text: dimpo.dataset, perplexity and the tasks) or "hub" (the tasks)."""
+        spec = self.dimpo_models[model]
+        if "run" not in spec:
+            return "hub"
+        return "recall" if self.runs[spec["run"]].synthetic else "text"
+
+    def dimpo_run_dataset(self, model: str) -> str:
+        """The corpus a dimpo model of ours was trained on (a recall run's: its capture and probe)."""
+        return self.runs[self.dimpo_models[model]["run"]].dataset
+
+    def dimpo_capture(self, model: str) -> dict:
+        """dimpo.capture with the model's own overrides."""
+        return self.dimpo["capture"] | self.dimpo_models[model].get("capture", {})
+
+    def num_projected(self, model: str) -> list[int]:
+        """The l values of a model: its own, or dimpo.downstream.num_projected."""
+        return self.dimpo_models[model].get("num_projected", self.downstream["num_projected"])
+
+    def projected(self, model: str) -> list[Projected]:
+        """The models dimpo.downstream scores for one dimpo model: the base model, then every
+        objective x d' x l x fit seed (dimpo.seeds: the spread of Figures 2-3), each without and
+        with every KV compression. Compression changes generation only, so it is scored only
+        where generation is (the recall probe, a hub model's tasks)."""
         ds = self.downstream
         if not (self.dimpo_enabled and ds["objectives"]):
             return []
-        kvs = [{"name": NO_KV}] + ds["kv"]
+        generative = self.dimpo_probe(model) != "text"
+        kvs = [{"name": NO_KV}] + (ds["kv"] if generative else [])
         return [Projected(BASE_OBJECTIVE, 0, 0, kv["name"]) for kv in kvs] + [
             Projected(objective, d, l, kv["name"], seed)
             for objective in ds["objectives"]
             for d in ds["d_prime"]
-            for l in ds["num_projected"]
+            for l in self.num_projected(model)
             for kv in kvs
             for seed in self.dimpo["seeds"]
             if objective in kv.get("objectives", [objective]) and l in kv.get("num_projected", [l])
         ]
+
+    @property
+    def dimpo_projected(self) -> list[Projected]:
+        """Every projected model of any dimpo model (:meth:`projected`), each once."""
+        return list(dict.fromkeys(p for model in self.dimpo_models for p in self.projected(model)))
 
     def kv_settings(self, name: str) -> dict:
         """{"kivi": {...}} or {"snapkv": {...}} of a dimpo.downstream.kv name; {} for "none"."""
@@ -378,10 +419,13 @@ def check_references(p: Plan) -> None:
         if run.model["attention"] != "vanilla":
             raise ConfigError(key, "DimPO projects a frozen vanilla model")
         head_dim = run.model["hidden_size"] // run.model["num_attention_heads"]
-        depth = [l for l in p.downstream["num_projected"] if l > run.model["num_hidden_layers"]]
+        depth = [l for l in p.num_projected(spec["name"]) if l > run.model["num_hidden_layers"]]
         if depth and p.downstream["objectives"]:
-            raise ConfigError("dimpo.downstream.num_projected",
+            where = f"dimpo.models[{i}].num_projected" if "num_projected" in spec else "dimpo.downstream.num_projected"
+            raise ConfigError(where,
                               f"l={depth[0]} exceeds the {run.model['num_hidden_layers']} layers of run {spec['run']!r}")
+        if run.synthetic:
+            _check_recall_capture(p, i, spec, run)
         widths = {"dimpo.d_prime": p.dimpo["d_prime"]} | {
             f"dimpo.ablations.{study}.d_prime": a["d_prime"] for study, a in p.dimpo["ablations"].items()
         }
@@ -391,6 +435,11 @@ def check_references(p: Plan) -> None:
                 raise ConfigError(width_key,
                                   f"{too_wide[0]} exceeds the head dimension {head_dim} of run {spec['run']!r}")
     _check_downstream(p)
+    for study, spec in p.dimpo["ablations"].items():
+        stray = [m for m in spec.get("models", []) if m not in p.dimpo_models]
+        if stray:
+            raise ConfigError(f"dimpo.ablations.{study}.models", f"{stray[0]!r} is not in dimpo.models "
+                                                                 f"({list(p.dimpo_models)})")
     studies = {"dimpo": p.dimpo} | {f"dimpo.ablations.{s}": a for s, a in p.dimpo["ablations"].items()}
     for prefix, spec in studies.items():
         seen = {}
@@ -404,6 +453,21 @@ def check_references(p: Plan) -> None:
             if name in seen:
                 raise ConfigError(key, f"repeats settings[{seen[name]}] ({name})")
             seen[name] = i
+
+
+def _check_recall_capture(p: Plan, i: int, spec: dict, run) -> None:
+    """A recall run is captured on its own corpus: whole examples, as many as its splits hold."""
+    # the schema fills the recall corpus' defaults (seq_len, n_validation, n_test)
+    data, capture = p.config["datasets"][run.dataset], p.dimpo_capture(spec["name"])
+    if capture["seq_len"] != data["seq_len"]:
+        raise ConfigError(f"dimpo.models[{i}].capture.seq_len",
+                          f"{capture['seq_len']} is not the example length {data['seq_len']} of {run.dataset!r}, "
+                          f"which run {spec['run']!r} is captured on")  # fmt: skip
+    for purpose, split in (("fit_sequences", "validation"), ("eval_sequences", "test")):
+        if capture[purpose] > data[f"n_{split}"]:
+            raise ConfigError(f"dimpo.models[{i}].capture.{purpose}",
+                              f"{capture[purpose]} exceeds the {data[f'n_{split}']} {split} examples of "
+                              f"{run.dataset!r}")  # fmt: skip
 
 
 def _check_downstream(p: Plan) -> None:
@@ -427,10 +491,12 @@ def _check_downstream(p: Plan) -> None:
     names = [k["name"] for k in ds["kv"]]
     for i, spec in enumerate(ds["kv"]):
         key = f"dimpo.downstream.kv[{i}]"
-        for name in ("objectives", "num_projected"):
-            stray = [v for v in spec.get(name, []) if v not in ds[name]]
+        depths = {l for model in p.dimpo_models for l in p.num_projected(model)}
+        for name, known in (("objectives", ds["objectives"]), ("num_projected", depths)):
+            stray = [v for v in spec.get(name, []) if v not in known]
             if stray:
-                raise ConfigError(f"{key}.{name}", f"{stray[0]!r} is not in dimpo.downstream.{name}")
+                raise ConfigError(f"{key}.{name}", f"{stray[0]!r} is not among the downstream {name} "
+                                                   f"({sorted(known) if name == 'num_projected' else known})")
         if spec["name"] in names[:i] or spec["name"] == NO_KV:
             raise ConfigError(f"{key}.name", f"{spec['name']!r} is taken")
         if "snapkv" in spec:

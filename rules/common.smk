@@ -116,19 +116,34 @@ def projected_input(wildcards):
     )
 
 
+def capture_documents(wildcards):
+    """What a dimpo model is captured on: dimpo.dataset's text, or a recall run's own corpus."""
+    split = "validation" if wildcards.purpose == "fit" else "test"
+    if PLAN.dimpo_probe(wildcards.model) == "recall":
+        return paths.tokens(PLAN.dimpo_run_dataset(wildcards.model), split)
+    return paths.documents(PLAN.dimpo["dataset"], split)
+
+
 def projected_tokens(wildcards):
-    """Held-out tokens for a projected model's perplexity: our corpora, for our own runs only
-    (a hub model has its own tokenizer)."""
-    if "run" not in PLAN.dimpo_models[wildcards.model]:
+    """Held-out tokens for a projected model's perplexity: our text corpora, for our text runs
+    only (a hub model has its own tokenizer)."""
+    if PLAN.dimpo_probe(wildcards.model) != "text":
         return []
     return [paths.tokens(d, "test") for d in PLAN.perplexity_datasets]
+
+
+def projected_recall_tokens(wildcards):
+    """The recall probe's test split, for a recall run's projected models."""
+    if PLAN.dimpo_probe(wildcards.model) != "recall":
+        return []
+    return [paths.tokens(PLAN.dimpo_run_dataset(wildcards.model), "test")]
 
 
 def downstream_files():
     return [
         paths.downstream(model, p.objective, p.d_prime, p.num_projected, p.kv, p.seed)
         for model in PLAN.dimpo_models
-        for p in PLAN.dimpo_projected
+        for p in PLAN.projected(model)
     ]
 
 
@@ -185,7 +200,7 @@ def fidelity_studies():
     studies (Table 1's grid, dimpo.ablations) it belongs to."""
     studies = {}
     for fit in PLAN.dimpo_fits:
-        for model in PLAN.dimpo_models:
+        for model in PLAN.study_models(fit.study):
             for seed in PLAN.dimpo["seeds"]:
                 path = paths.fidelity(
                     model, fit.objective, fit.setting, fit.d_prime, seed

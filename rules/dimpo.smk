@@ -26,9 +26,7 @@ rule prefetch:
 rule capture_qkv:
     input:
         model=dimpo_model_dir,
-        documents=lambda wc: paths.documents(
-            PLAN.dimpo["dataset"], "validation" if wc.purpose == "fit" else "test"
-        ),
+        documents=capture_documents,
     output:
         paths.capture("{model}", "{purpose}"),
     log:
@@ -46,7 +44,7 @@ rule capture_qkv:
         gpu=gpu_count(),
     params:
         source=dimpo_model_source,
-        capture=PLAN.dimpo["capture"],
+        capture=lambda wc: PLAN.dimpo_capture(wc.model),
         hparams=PLAN.dimpo["hparams"],
         device=PLAN.config["device"],
     script:
@@ -134,6 +132,7 @@ rule score_projected:
             "{model}", "{objective}", "{d_prime}", "{l}", "{kv}", "{seed}"
         ),
         tokens=projected_tokens,
+        recall=projected_recall_tokens,
         lm_eval_data=lm_eval_data_files(),
     output:
         paths.downstream("{model}", "{objective}", "{d_prime}", "{l}", "{kv}", "{seed}"),
@@ -156,10 +155,20 @@ rule score_projected:
         gpu=gpu_count(),
     params:
         downstream=PLAN.downstream,
+        tasks=lambda wc: (
+            [] if PLAN.dimpo_probe(wc.model) == "recall" else PLAN.downstream["tasks"]
+        ),
+        recall_corpora=lambda wc: (
+            [PLAN.dimpo_run_dataset(wc.model)]
+            if PLAN.dimpo_probe(wc.model) == "recall"
+            else []
+        ),
         seq_len=PLAN.dimpo["capture"]["seq_len"],
-        batch_size=PLAN.config["evaluation"]["perplexity"]["batch_size"],
+        batch_size=lambda wc: PLAN.config["evaluation"][
+            "recall" if PLAN.dimpo_probe(wc.model) == "recall" else "perplexity"
+        ]["batch_size"],
         corpora=lambda wc: (
-            PLAN.perplexity_datasets if "run" in PLAN.dimpo_models[wc.model] else []
+            PLAN.perplexity_datasets if PLAN.dimpo_probe(wc.model) == "text" else []
         ),
         device=PLAN.config["device"],
     script:

@@ -13,6 +13,7 @@ import pandas as pd
 
 from dimattn import paths, variants
 from dimattn.reporting import summaries
+from dimattn.sweeps import RULER_TASKS
 
 REFERENCE = Path(__file__).resolve().parents[1] / "reference"
 
@@ -255,7 +256,8 @@ def write_downstream_jsons(root: Path, seeds=(0,)) -> list[Path]:
         acc, ppl = acc0 + 0.01 * seed, ppl0 + seed
         record = {
             "model": "tiny_vanilla_d128", "objective": objective, "d_prime": 0 if objective == "base" else 8,
-            "num_projected": l, "n_layers": 4, "scale": "d_prime", "kv": "none", "seed": seed,
+            "num_projected": l, "n_layers": 4, "scale": "d_prime", "kv": "none", "kv_method": "none", "kv_level": 0,
+            "seed": seed,
             "perplexity": {"shakespeare": {"ppl": ppl, "loss": math.log(ppl), "n_tokens": 1000}},
             "results": {"dimattn_next_line": {"alias": "dimattn_next_line", "acc,none": acc, "acc_stderr,none": 0.02}},
             "num_fewshot": {"dimattn_next_line": 0},
@@ -265,6 +267,50 @@ def write_downstream_jsons(root: Path, seeds=(0,)) -> list[Path]:
         path.write_text(json.dumps(record))
         paths_.append(path)
     return paths_
+
+
+# Seed 003 Tables 2-3 and 5: long-context probes, with KV compression
+# (objective, l, kv) -> recall accuracy per distance bin [8-20, 21-33]; fit seed s adds 0.01 s
+LONG_RECALL = {
+    ("base", 0, "none"): (0.90, 0.80), ("base", 0, "kivi2"): (0.88, 0.70), ("base", 0, "snapkv8"): (0.60, 0.50),
+    ("kl", 1, "none"): (0.85, 0.75), ("kl", 2, "none"): (0.70, 0.60),
+    ("dimpo", 1, "none"): (0.86, 0.74), ("dimpo", 2, "none"): (0.50, 0.40),
+    ("dimpo", 2, "kivi2"): (0.45, 0.35), ("dimpo", 2, "snapkv8"): (0.30, 0.20),
+}  # fmt: skip
+KV = {"none": ("none", 0), "kivi2": ("kivi", 2), "snapkv8": ("snapkv", 8)}
+N_BIN = (30, 10)  # queries per bin: the overall accuracy weighs them
+
+
+def _record(model, objective, l, kv, seed, n_layers=2):
+    method, level = KV[kv]
+    return {"model": model, "objective": objective, "d_prime": 0 if objective == "base" else 4, "num_projected": l,
+            "n_layers": n_layers, "scale": "d_prime", "kv": kv, "kv_method": method, "kv_level": level, "seed": seed,
+            "perplexity": {}, "recall": {}, "results": {}, "num_fewshot": {}}  # fmt: skip
+
+
+def write_long_context_jsons(root: Path, seeds=(0, 1)) -> list[Path]:
+    """Projected models of a recall run (LONG_RECALL, with KIVI and SnapKV) and of a hub model on RULER."""
+    written = []
+    for (objective, l, kv), accs in LONG_RECALL.items():
+        for seed in seeds if objective != "base" else (0,):
+            record = _record("recall-vanilla", objective, l, kv, seed)
+            bins = [{"min_distance": lo, "max_distance": hi, "accuracy": a + 0.01 * seed, "n": n}
+                    for (lo, hi), a, n in zip([(8, 20), (21, 33)], accs, N_BIN)]  # fmt: skip
+            overall = sum(b["accuracy"] * b["n"] for b in bins) / sum(N_BIN)
+            record["recall"]["recall"] = {"split": "test", "accuracy": overall, "n_queries": sum(N_BIN),
+                                          "by_distance": bins, "chance": 1 / 16, "prefill": 16}  # fmt: skip
+            written.append(root / "long" / f"{objective}-l{l}-{kv}-s{seed}.json")
+            written[-1].parent.mkdir(parents=True, exist_ok=True)
+            written[-1].write_text(json.dumps(record))
+    # a hub model on RULER at 4096 (8192 not run: lm-eval writes -1); subtask i scores (50 + i) / 100
+    for objective, l, shift in (("base", 0, 40), ("dimpo", 20, 0), ("kl", 20, 10)):
+        record = _record("tiny-llama", objective, l, "none", 0, n_layers=32)
+        record["results"] = {task: {"alias": task, "4096,none": (50 + i + shift) / 100, "8192,none": -1}
+                             for i, task in enumerate(RULER_TASKS)}  # fmt: skip
+        written.append(root / "long" / f"llama-{objective}.json")
+        written[-1].write_text(json.dumps(record))
+    return written
+
 
 
 def write_summaries(root: Path) -> Path:

@@ -335,3 +335,96 @@ def test_evaluate_recall_refuses_a_corpus_that_breaks_the_layout(tmp_path):
     with pytest.raises(DataError, match="break the recall layout"):
         evaluate_recall(tmp_path / "m", path, tmp_path / "out.json", batch_size=4)
     assert not (tmp_path / "out.json").exists()
+
+
+# --- the probe through the KV cache (projected models, KV compression: seed 003 Table 5) --------
+
+
+def _probe_model(vocab_size, layers=1, heads=1, seed=0):
+    from dimattn import DimAttnConfig, DimAttnForCausalLM
+
+    torch.manual_seed(seed)
+    config = DimAttnConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=layers, num_attention_heads=heads,
+                           attention="vanilla", max_position_embeddings=128, initializer_range=0.3)  # fmt: skip
+    return DimAttnForCausalLM(config).eval()
+
+
+def _probe_data(n=6):
+    from dimattn.recall import find_queries, generate_examples
+
+    s = RecallSettings(**SMALL)
+    examples = generate_examples(s, n, np.random.default_rng(0))
+    return s, examples, find_queries(examples, s.layout())
+
+
+def test_the_probe_through_the_cache_equals_one_forward_without_compression():
+    from dimattn.affine import Affine
+    from dimattn.modeling_projected import attach_projections
+    from dimattn.recall import predict_at_queries, predict_through_cache
+
+    s, examples, queries = _probe_data()
+    model = _probe_model(s.vocab_size, layers=2, heads=2)
+    g = torch.Generator().manual_seed(1)
+    projections = {i: Affine(torch.randn(4, 16, generator=g), torch.randn(4, generator=g)) for i in range(2)}
+    for num_projected in (0, 1, 2):
+        attach_projections(model, projections, num_projected)
+        one_pass = predict_at_queries(model, examples, queries, batch_size=4)
+        assert np.array_equal(predict_through_cache(model, examples, queries, s.min_query_pos, batch_size=4), one_pass)
+    # a projection that changes attention changes predictions: the check above can fail
+    assert not np.array_equal(one_pass, predict_at_queries(_probe_model(s.vocab_size, 2, 2), examples, queries, 4))
+    with pytest.raises(ValueError, match="prefill must be in 1"):
+        predict_through_cache(model, examples, queries, s.seq_len, batch_size=4)
+
+
+def test_the_probe_through_an_evicting_cache_matches_a_naive_replay(monkeypatch):
+    """One layer and one head: after SnapKV evicts, each decoded token sees the kept prompt tokens
+    and the decoded ones at their own positions; a forward of exactly those tokens (keys of a
+    one-layer model depend on token and position only) gives the same prediction."""
+    from dimattn import modeling_projected
+    from dimattn.modeling_projected import attach_projections
+    from dimattn.recall import predict_through_cache
+
+    s, examples, queries = _probe_data(n=3)
+    model = _probe_model(s.vocab_size)
+    prefill = s.min_query_pos
+    kept = []
+    compress = modeling_projected.snapkv_compress
+
+    def spy(queries_, keys, values, settings, scale):
+        from dimattn.kv_compression import snapkv_indices
+
+        kept.append(snapkv_indices(queries_, keys, settings, scale)[:, 0])  # (B, budget): one KV head
+        return compress(queries_, keys, values, settings, scale)
+
+    monkeypatch.setattr(modeling_projected, "snapkv_compress", spy)
+    attach_projections(model, {}, 0, kv={"snapkv": {"budget": prefill // 2, "window": 4, "kernel": 3}})
+    predictions = predict_through_cache(model, examples, queries, prefill, batch_size=3)
+    assert len(kept) == 1 and kept[0].shape == (3, prefill // 2)
+    attach_projections(model, {}, 0)
+    x = torch.from_numpy(examples)
+    replay = []
+    with torch.no_grad():
+        for ex, pos, _, _ in queries:
+            seen = torch.cat([kept[0][ex], torch.arange(prefill, pos + 1)])
+            logits = model(input_ids=x[ex, seen][None], position_ids=seen[None]).logits
+            replay.append(int(logits[0, -1].argmax()))
+    assert np.array_equal(predictions, np.array(replay))
+    attach_projections(model, {}, 0)
+    full = predict_through_cache(model, examples, queries, prefill, batch_size=3)
+    assert not np.array_equal(predictions, full)  # the eviction mattered
+
+
+def test_a_recall_corpus_is_captured_in_whole_examples(tmp_path):
+    from dimattn.capture import token_windows
+    from dimattn.data import DataError
+    from dimattn.recall import load_examples
+
+    s = RecallSettings(**SMALL)
+    write_recall_corpus(s, tmp_path / "r")
+    bin_path = tmp_path / "r/tokens/validation.bin"
+    windows = token_windows(bin_path, s.seq_len, 3)
+    assert windows.tolist() == load_examples(bin_path)[0][:3].tolist()
+    with pytest.raises(DataError, match=f"examples of {s.seq_len} tokens; capture at seq_len {s.seq_len}, not 16"):
+        token_windows(bin_path, 16, 3)
+    with pytest.raises(DataError, match="fewer than 1000 windows"):
+        token_windows(bin_path, s.seq_len, 1000)

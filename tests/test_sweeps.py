@@ -98,6 +98,9 @@ def test_dimpo_resources_come_from_the_schema_alone():
     assert "8000" not in rules and "4000" not in rules
 
 
+RECALL_MODEL = {"name": "recall-vanilla", "run": "recall-vanilla", "capture": {"seq_len": 64}, "num_projected": [1, 2]}
+
+
 def downstream(config, **changes):
     """A valid dimpo.downstream of the default config, with ``changes``."""
     config["dimpo"]["downstream"] = {"objectives": ["kl"], "d_prime": [4], "num_projected": [2], **changes}
@@ -170,6 +173,16 @@ BAD = {
     "downstream without layers": (lambda c: downstream(c, num_projected=[]), "dimpo.downstream.num_projected"),
     "downstream l > layers": (lambda c: downstream(c, num_projected=[2, 5]), "dimpo.downstream.num_projected"),
     "downstream l = 0": (lambda c: downstream(c, num_projected=[0]), "num_projected"),
+    "a model's l > its layers": (lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"num_projected": [3]}),
+                                 "dimpo.models[1].num_projected"),
+    "recall capture off its examples": (
+        lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"capture": {"seq_len": 128}}),
+        "dimpo.models[1].capture.seq_len: 128 is not the example length 64"),
+    "recall capture beyond its split": (
+        lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"capture": {"seq_len": 64, "fit_sequences": 300}}),
+        "dimpo.models[1].capture.fit_sequences: 300 exceeds the 256 validation examples"),
+    "ablation of an unknown model": (lambda c: c["dimpo"]["ablations"]["quirks"].update(models=["gpt"]),
+                                     "dimpo.ablations.quirks.models"),
     "downstream unknown scale": (lambda c: downstream(c, scale="sqrt"), "sqrt"),
     "downstream kv taken name": (lambda c: downstream(c, kv=[{"name": "none", "kivi": {"bits": 2}}]),
                                  "dimpo.downstream.kv[0].name"),
@@ -272,8 +285,10 @@ def test_downstream_plan():
                                           kv=[{"name": "kivi2", "kivi": {"bits": 2}}]))  # fmt: skip
     plan = plan_of(config)
     projected = plan.dimpo_projected
-    assert projected[:2] == [sweeps.Projected("base", 0, 0, "none"), sweeps.Projected("base", 0, 0, "kivi2")]
-    assert len(projected) == 2 + 2 * 1 * 2 * 2  # base x kv, then objectives x d' x l x kv
+    # tiny-vanilla is scored on perplexity and loglikelihood tasks, which KV compression leaves
+    # exact: no compressed models (the recall probe and hub models get them)
+    assert projected[0] == sweeps.Projected("base", 0, 0, "none")
+    assert len(projected) == 1 + 2 * 1 * 2  # base, then objectives x d' x l
     assert plan.kv_settings("kivi2") == {"kivi": {"bits": 2, "group_size": 32, "residual": 128}}  # schema defaults
     assert plan.kv_settings("none") == {} and "downstream" in plan.dimpo_studies
 
@@ -286,3 +301,24 @@ def test_a_missing_reference_csv_is_refused_before_any_job(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     with pytest.raises(sweeps.ConfigError, match=r"config key reference_dir: reference lacks reference/dimpo_ablation.csv"):
         plan_of(DEFAULT)
+
+
+def test_each_model_is_captured_and_scored_by_its_kind():
+    def add_recall(c):
+        downstream(c, objectives=["kl"], num_projected=[2, 4], kv=[{"name": "kivi2", "kivi": {"bits": 2}}])
+        c["dimpo"]["models"].append(RECALL_MODEL | {"num_projected": [1, 2]})
+        c["dimpo"]["ablations"]["quirks"]["models"] = ["tiny-vanilla"]
+
+    plan = plan_of(mutated(add_recall))
+    assert plan.dimpo_probe("tiny-vanilla") == "text" and plan.dimpo_probe("recall-vanilla") == "recall"
+    assert plan.dimpo_capture("recall-vanilla") == plan.dimpo["capture"] | {"seq_len": 64}
+    # KV compression only where there is generation to compress: the recall probe, not perplexity
+    text = plan.projected("tiny-vanilla")
+    assert {p.kv for p in text} == {"none"} and {p.num_projected for p in text} == {0, 2, 4}
+    recall = plan.projected("recall-vanilla")
+    assert {p.num_projected for p in recall} == {0, 1, 2} and {p.kv for p in recall} == {"none", "kivi2"}
+    assert {"downstream", "long_context", "kv"} <= set(plan.dimpo_studies)
+    assert plan.study_models("quirks") == ["tiny-vanilla"]
+    assert plan.study_models("table1") == ["tiny-vanilla", "recall-vanilla"]
+    # text models alone: no long-context report
+    assert "long_context" not in plan_of(mutated(lambda c: downstream(c))).dimpo_studies

@@ -4,6 +4,7 @@ from _workflow import logged
 
 with logged(snakemake):
     from dimattn.evaluation import score_projected
+    from dimattn.kv_compression import kv_fields
     from dimattn.modeling_projected import ProjectedConfig
 
     wc, p = snakemake.wildcards, snakemake.params
@@ -11,8 +12,9 @@ with logged(snakemake):
     config = ProjectedConfig.from_pretrained(model_dir)
     fields = {"model": wc.model, "objective": wc.objective, "d_prime": int(wc.d_prime), "num_projected": int(wc.l),
               "n_layers": config.dimattn_fit.get("n_layers"), "scale": config.scale, "kv": wc.kv,
-              "seed": int(wc.seed)}
+              **kv_fields(config.kv), "seed": int(wc.seed)}
     ds = p.downstream
     score_projected(model_dir=model_dir, fields=fields, tokens=dict(zip(p.corpora, map(Path, snakemake.input.tokens))),
-                    seq_len=p.seq_len, batch_size=p.batch_size, max_tokens=ds["max_tokens"], tasks=ds["tasks"],
-                    limit=ds["limit"], metadata=ds["metadata"], out_json=Path(snakemake.output[0]), device=p.device)
+                    recall=dict(zip(p.recall_corpora, map(Path, snakemake.input.recall))), seq_len=p.seq_len,
+                    batch_size=p.batch_size, max_tokens=ds["max_tokens"], tasks=p.tasks, limit=ds["limit"],
+                    metadata=ds["metadata"], out_json=Path(snakemake.output[0]), device=p.device)

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..sweeps import BASE_OBJECTIVE, NO_KV
+from ..sweeps import BASE_OBJECTIVE, NO_KV, RULER_TASKS
 from . import latex, paper, plots
 from .dimpo import OBJECTIVE_LABELS, _rank
 from .latex import MISSING, SpreadCells, Tex, fmt
 from .plots import OBJECTIVE_COLORS
-from .replicates import aggregate, seed_counts, spread
+from .replicates import Spread, aggregate, seed_counts, spread
 
 LOWER_IS_BETTER = ("ppl", "perplexity", "bits_per_byte")
 
@@ -150,3 +150,178 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
     )
     return latex.grouped_table(path, "dimpo_downstream.table", groups, body, Tex(caption), "dimpo_downstream",
                                "Objective", cell.note())
+
+
+# ---- long context: RULER (paper scale) and the recall probe (its CPU-scale analogue) ------------
+
+# Seed 003 Tables 2-3 group RULER's 13 subtasks into six columns; its average is the unweighted
+# mean of the 13 (Table 2's base row: (8 x 99.9 + 81.0 + 63.2 + 99.8 + 99.6 + 92.3) / 13 = 95.0).
+RULER_GROUPS = {
+    "NIAH": [t for t in RULER_TASKS if t.startswith("niah_")],
+    "SQuAD": ["ruler_qa_squad"], "HotpotQA": ["ruler_qa_hotpot"],
+    "VT": ["ruler_vt"], "CWE": ["ruler_cwe"], "FWE": ["ruler_fwe"],
+}  # fmt: skip
+AVERAGE = "avg"
+RECALL_TASK = "recall:"
+SCORE_KEYS = ["model", "objective", "d_prime", "kv", "num_projected", "n_layers", "share", "seed"]
+
+
+def long_context(df: pd.DataFrame) -> pd.DataFrame:
+    """Long-context scores in percent, long: one row per (model, objective, d', kv, l, seed,
+    probe, column). RULER at each length (probe "RULER 4096") gives the six columns of Tables 2-3
+    and "avg", the mean of all 13 subtasks (missing unless all 13 ran); the recall probe (probe
+    "recall") a column per distance bin and "avg", every query. ``order`` keeps the columns'."""
+    rows = []
+    ruler = df[df["task"].isin(RULER_TASKS) & df["metric"].str.fullmatch(r"\d+")]
+    for (*point, length), part in ruler.groupby([*SCORE_KEYS, "metric"], sort=False, dropna=False):
+        by_task = part.groupby("task")["value"].mean() * 100  # lm-eval's RULER scores are fractions
+        fields = dict(zip(SCORE_KEYS, point)) | {"probe": f"RULER {length}"}
+        for order, (column, tasks) in enumerate(RULER_GROUPS.items()):
+            present = by_task.reindex(tasks).dropna()
+            if len(present):
+                rows.append(fields | {"column": column, "order": order, "value": present.mean()})
+        complete = by_task.reindex(RULER_TASKS).notna().all()
+        rows.append(fields | {"column": AVERAGE, "order": len(RULER_GROUPS),
+                              "value": by_task.reindex(RULER_TASKS).mean() if complete else None})  # fmt: skip
+    recall = df[df["task"].str.startswith(RECALL_TASK)]
+    for _, r in recall.iterrows():
+        metric = r["metric"]
+        bins = metric.partition(",")[2]
+        lo, _, hi = bins[1:].partition("-")
+        column, order = (AVERAGE, 10**6) if metric == "acc" else (rf"{lo}--{hi}", int(lo))
+        value = None if pd.isna(r["value"]) else 100 * r["value"]
+        rows.append({k: r[k] for k in SCORE_KEYS} | {"probe": "recall", "column": column, "order": order,
+                                                     "value": value})  # fmt: skip
+    out = pd.DataFrame(rows, columns=[*SCORE_KEYS, "probe", "column", "order", "value"]).astype({"value": float})
+    models = {m: i for i, m in enumerate(dict.fromkeys(df["model"]))}  # the summary's order
+    return out.sort_values("model", key=lambda s: s.map(models), kind="stable").reset_index(drop=True)
+
+
+def _probe_points(scores: pd.DataFrame) -> pd.DataFrame:
+    """:func:`long_context` aggregated over fit seeds (``value_spread``)."""
+    return aggregate(scores, ["value"], ["model", "probe", "objective", "d_prime", "kv", "num_projected", "n_layers",
+                                         "column", "order"])  # fmt: skip
+
+
+def separating_l(points: pd.DataFrame) -> int | None:
+    """The l of a (model, probe) at which the objectives' averages (no KV compression) lie furthest
+    apart, the deeper one on a tie: where the paper puts its Tables 2-3 (l = 20 of 32, 24 of 36)."""
+    sel = points[(points["objective"] != BASE_OBJECTIVE) & (points["kv"] == NO_KV) & (points["column"] == AVERAGE)]
+    sel = sel.dropna(subset=["value"])
+    if sel.empty:
+        return None
+    gaps = sel.groupby("num_projected")["value"].agg(lambda v: v.max() - v.min())
+    return int(max(gaps.index, key=lambda l: (round(gaps[l], 9), l)))
+
+
+# The paper's Tables 2-3 rows as our objectives: DimPO's default is k = 64, lambda = 1; its
+# k = 0, lambda = 0 row is the listwise term alone (our dimpo_list).
+_PAPER_METHODS = {("base", "", ""): BASE_OBJECTIVE, ("kl", "", ""): "kl", ("dimpo", "64", "1"): "dimpo",
+                  ("dimpo", "0", "0"): "dimpo_list"}  # fmt: skip
+
+
+def _objective_label(objective: str) -> str:
+    return "Base (l = 0)" if objective == BASE_OBJECTIVE else OBJECTIVE_LABELS.get(objective, objective)
+
+
+def subtask_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
+    """Seed 003 Tables 2-3: the long-context probe's subtasks at one deep l per model (its
+    :func:`separating_l`), a row per objective, the paper's Tables 2 (Llama-3.1-8B, l = 20) and
+    3 (Qwen3-4B, l = 24) beside. Ours: RULER at paper scale, the recall probe's distance bins at
+    CPU scale; scores in percent, absolute, without KV compression."""
+    points = _probe_points(long_context(frames["dimpo_downstream"]))
+    points = points[points["kv"] == NO_KV]
+    if points.empty:
+        raise ValueError("the downstream summary has no long-context (RULER or recall probe) scores")
+    cell = SpreadCells(seed_counts(points))
+    groups, lookups = [], []
+    for (model, probe), part in points.groupby(["model", "probe"], sort=False):
+        l_star = separating_l(part)
+        shown = part[(part["objective"] == BASE_OBJECTIVE) | (part["num_projected"] == l_star)]
+        columns = shown.drop_duplicates("column").sort_values("order")["column"].tolist()
+        n_layers = int(part["n_layers"].dropna().iloc[0])
+        title = latex.escape(f"ours: {model}, {probe}" + (" by query distance" if probe == "recall" else ""))
+        title += rf", $l{{=}}{l_star}$ of {n_layers}" if l_star else ""
+        groups.append({"title": Tex(title),
+                       "columns": [Tex(latex.escape(c)) if c != AVERAGE else "avg" for c in columns]})
+        lookups.append(({(r["objective"], r["column"]): spread(r, "value") for _, r in shown.iterrows()}, columns))
+    ref = paper.read(reference_dir, "dimpo_ruler_subtasks")
+    paper_columns = [*RULER_GROUPS, "RULER_avg"]
+    for (source, model), part in ref.groupby(["source", "model"], sort=False):
+        l = part.loc[part["method"] != "base", "layers_projected"].iloc[0]
+        groups.append({"title": Tex(latex.escape(f"paper ({source}): {model}, RULER 4k, ") + rf"$l{{=}}{l}$"),
+                       "columns": [c if c != "RULER_avg" else "avg" for c in paper_columns]})
+        table = {}
+        for _, r in part.iterrows():
+            objective = _PAPER_METHODS.get((r["method"], r["k"], r["lambda"]), r["method"])
+            table |= {(objective, c): Spread.of([float(r[c])]) for c in paper_columns if r[c] != ""}
+        lookups.append((table, paper_columns))
+    objectives = sorted({o for table, _ in lookups for o, _ in table}, key=lambda o: (o != BASE_OBJECTIVE, _rank(o)))
+    body = [{"label": _objective_label(o), "space": False,
+             "cells": [cell(table[(o, c)], lambda v: fmt(v, 1)) if (o, c) in table else MISSING
+                       for table, columns in lookups for c in columns]}
+            for o in objectives]  # fmt: skip
+    caption = (
+        "Long context with projected layers (seed 003, Tables 2-3): scores in percent per subtask at one deep "
+        "$l$ per model, where the objectives lie furthest apart, and the base model ($l = 0$). Ours at CPU scale is "
+        "the recall probe, its columns the query-to-key distance bins (the context prefilled, the questions decoded "
+        "through the KV cache); at paper scale RULER's six subtask groups and the mean of its 13 subtasks. "
+        "The paper's DimPO row is $k = 64$, $\\lambda = 1$; its $k = 0$, $\\lambda = 0$ row is the listwise term alone."
+    )
+    return latex.grouped_table(path, "dimpo_downstream.subtask_table", groups, body, Tex(caption), "dimpo_ruler",
+                               "Objective", cell.note())
+
+
+def kv_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
+    """Seed 003 Table 5: the long-context average with KV-cache compression (columns: none, KIVI
+    by bits, SnapKV by budget, smallest first) and the projection on the last l layers (rows,
+    l = 0 the base model); the paper's Llama-3.1-8B rows (DimPO, RULER 4k and 8k) below ours."""
+    df = frames["dimpo_downstream"]
+    kinds = {r["kv"]: (r["kv_method"], int(r["kv_level"])) for _, r in df.drop_duplicates("kv").iterrows()}
+    points = _probe_points(long_context(df))
+    points = points[points["column"] == AVERAGE]
+    ref = paper.read(reference_dir, "dimpo_compression")
+    paper_kinds = {c: ("kivi", int(c.split("-")[1][0])) if c.startswith("kivi") else
+                      ("snapkv", int(c.split("-")[1])) if c.startswith("snapkv") else (NO_KV, 0)
+                   for c in ref["compression"].unique()}  # fmt: skip
+    slots = []  # columns: (kind, rank within the kind)
+    for kind in (NO_KV, "kivi", "snapkv"):
+        ours = sorted(v for n, (k, v) in kinds.items() if k == kind)
+        theirs = sorted(v for k, v in paper_kinds.values() if k == kind)
+        for rank in range(max(len(ours), len(theirs))):
+            name = {NO_KV: "none", "kivi": "KIVI", "snapkv": "SnapKV"}[kind]
+            ours_v = f"{ours[rank]:g}" if rank < len(ours) else MISSING
+            theirs_v = f"{theirs[rank]:g}" if rank < len(theirs) else MISSING
+            unit = {"kivi": "bits", "snapkv": "budget"}.get(kind)
+            label = name if kind == NO_KV else f"{name} ({unit} {ours_v} / {theirs_v})"
+            slots.append(((kind, ours[rank] if rank < len(ours) else None,
+                           theirs[rank] if rank < len(theirs) else None), label))
+    cell = SpreadCells(seed_counts(points))
+    body = []
+    for (model, probe, objective, d_prime), part in points.groupby(["model", "probe", "objective", "d_prime"],
+                                                                    sort=False):  # fmt: skip
+        if objective == BASE_OBJECTIVE:
+            continue
+        base = points[(points["model"] == model) & (points["probe"] == probe) & (points["objective"] == BASE_OBJECTIVE)]
+        for i, (l, line) in enumerate(pd.concat([base, part]).groupby("num_projected", sort=True)):
+            by_kind = {kinds[r["kv"]]: spread(r, "value") for _, r in line.iterrows()}
+            label = f"ours: {model}, {probe}, {_objective_label(objective)}, l = {int(l)}"
+            body.append({"label": Tex(latex.escape(label)), "space": i == 0,
+                         "cells": [cell(by_kind[(k, v)], lambda x: fmt(x, 1)) if (k, v) in by_kind else MISSING
+                                   for (k, v, _), _ in slots]})  # fmt: skip
+    for length in ("ruler_4k", "ruler_8k"):
+        for i, (l, line) in enumerate(ref.groupby(["model", "layers_projected"], sort=False)):
+            by_kind = {paper_kinds[r["compression"]]: float(r[length]) for _, r in line.iterrows()}
+            label = f"paper: {l[0]}, RULER {length[-2:]}, DimPO, l = {l[1]}"
+            body.append({"label": Tex(latex.escape(label)), "space": i == 0,
+                         "cells": [fmt(by_kind[(k, w)], 1) if (k, w) in by_kind else MISSING
+                                   for (k, _, w), _ in slots]})  # fmt: skip
+    caption = (
+        "Projection with KV-cache compression (seed 003, Table 5): the long-context average in percent (ours: the "
+        "recall probe at CPU scale, RULER at paper scale) per compression and number of projected layers $l$. "
+        "Column headings give our setting / the paper's (KIVI: bits; SnapKV: tokens kept). SnapKV and KIVI change "
+        "decoding only: the prompt is prefilled at full precision, the questions decoded through the compressed cache."
+    )
+    groups = [{"title": "KV-cache compression", "columns": [Tex(latex.escape(label)) for _, label in slots]}]
+    return latex.grouped_table(path, "dimpo_downstream.kv_table", groups, body, Tex(caption), "dimpo_kv",
+                               Tex("Model, probe, objective, $l$"), cell.note())

@@ -153,11 +153,14 @@ OUTPUTS: dict[str, Output] = {
         _output("DimPO", paths.figure("dimpo_pairs"), "dimpo:pairs_figure", _study("figure4a", "figure4b", "figure4c"),
                 ["dimpo_fidelity"]),
         _output("DimPO", paths.table("dimpo_quirks"), "dimpo:quirks_table", _study("quirks"), ["dimpo_fidelity"]),
-        # Seed 003 Figures 2-3 and Tables 4-5: projected models at work
+        # Seed 003 Figures 2-3 and Tables 2-5: projected models at work
         _output("DimPO", paths.figure("dimpo_downstream"), "dimpo_downstream:figure", _study("downstream"),
                 ["dimpo_downstream"]),
         _output("DimPO", paths.table("dimpo_downstream"), "dimpo_downstream:table", _study("downstream"),
                 ["dimpo_downstream"]),
+        _output("DimPO", paths.table("dimpo_ruler"), "dimpo_downstream:subtask_table", _study("long_context"),
+                ["dimpo_downstream"]),
+        _output("DimPO", paths.table("dimpo_kv"), "dimpo_downstream:kv_table", _study("kv"), ["dimpo_downstream"]),
     )
 }
 
@@ -281,7 +284,11 @@ def runs_in(summary_dir: os.PathLike | str) -> Asked:
         fidelity = summaries.read(_summary_path(summary_dir, "dimpo_fidelity"), "dimpo_fidelity")
         studies = tuple(dict.fromkeys(fidelity["study"]))
     if "dimpo_downstream" in on_disk:
-        studies += ("downstream",)
+        from .dimpo_downstream import long_context
+
+        scores = long_context(summaries.read(_summary_path(summary_dir, "dimpo_downstream"), "dimpo_downstream"))
+        studies += ("downstream",) + (("long_context",) if len(scores) else ())
+        studies += ("kv",) if (scores["kv"] != "none").any() else ()
     return Asked(runs, "lm_eval" in on_disk, studies)
 
 

@@ -3,7 +3,9 @@
 Seed 000 (DAR): Table 1 (relative perplexity per d_down/d at d = 512), Table 2 (d_down = d/4
 across Pythia widths), Table 4 (downstream scores relative to d_down = d) and the tasks' metrics;
 findings it states only in words (Table 3, Figure 3). Seed 003 (DimPO): Table 1 (attention
-fidelity of Llama-3.1-8B heads, d = 128). Seed 001 prints no numbers we could set beside ours.
+fidelity of Llama-3.1-8B heads, d = 128), Tables 2-3 (RULER 4k subtasks at a deep projection),
+Table 4 (RULER by share of layers), Table 5 (with SnapKV and KIVI), Table 6 (ablation). Seed 001
+prints no numbers we could set beside ours.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ FILES = {
     "dimpo": "dimpo_fidelity_llama31_8b.csv",
     "dimpo_ablation": "dimpo_ablation.csv",
     "dimpo_ruler_by_layers": "dimpo_ruler_by_layers.csv",
+    "dimpo_ruler_subtasks": "dimpo_ruler_subtasks.csv",
+    "dimpo_compression": "dimpo_compression_combo.csv",
 }
 # The columns each file must have (its readers use them); a file may have more.
 COLUMNS = {
@@ -33,6 +37,9 @@ COLUMNS = {
     "dimpo_ablation": ("source", "objective", "k", "lambda", "plus_kl", "llama31_8b_kl", "qwen3_4b_kl"),
     "dimpo_ruler_by_layers": ("source", "model", "method", "k", "lambda", "d_prime", "share_of_layers_pct",
                               "ruler_4k", "ruler_8k"),
+    "dimpo_ruler_subtasks": ("source", "model", "layers_projected", "share_of_layers_pct", "method", "k", "lambda",
+                             "NIAH", "SQuAD", "HotpotQA", "VT", "CWE", "FWE", "RULER_avg"),
+    "dimpo_compression": ("source", "model", "d_prime", "compression", "layers_projected", "ruler_4k", "ruler_8k"),
 }
 # Files whose readers do without them (dar_task_metrics, finding).
 OPTIONAL = ("dar_tasks", "qualitative")

@@ -31,6 +31,7 @@ import pandas as pd
 from .. import variants
 from ..atomic import atomic_file
 from ..runs import run_metadata
+from ..sweeps import RULER_TASKS
 from .paper import OBJECTIVE_ORDER
 from .replicates import relative
 
@@ -39,7 +40,10 @@ RUN_FIELDS = variants.RUN_FIELDS
 FIDELITY_COLUMNS = ["model", "objective", "setting", "d_prime", "head_dim", "seed", "layer", "kl", "mse",
                     "kl_inference", "mse_inference"]
 # A projected model of dimpo.downstream (dimattn.sweeps.Projected); share = l / n_layers.
-DOWNSTREAM_FIELDS = ["model", "objective", "d_prime", "num_projected", "n_layers", "share", "scale", "kv", "seed"]
+# kv: the compression's name in dimpo.downstream.kv; kv_method and kv_level what it is (kivi and
+# its bits, snapkv and its budget; none and 0), so that Table 5 can be drawn from the CSV alone.
+DOWNSTREAM_FIELDS = ["model", "objective", "d_prime", "num_projected", "n_layers", "share", "scale", "kv",
+                     "kv_method", "kv_level", "seed"]
 COLUMNS = {
     "dar_perplexity": RUN_FIELDS + ["corpus", "ppl", "rel_to_vanilla", "vanilla_seed", "split", "n_tokens", "loss"],
     "dar_trajectory": RUN_FIELDS
@@ -276,6 +280,8 @@ def _lm_eval_rows(results: dict) -> list[dict]:
             filt = filt or "none"
             if name.endswith("_stderr") or _number(value) is None:
                 continue
+            if task in RULER_TASKS and value == -1:  # lm-eval's RULER: -1 for a length not run
+                continue
             stderr = _number(metrics.get(f"{name}_stderr,{filt}"))
             metric = name if filt == "none" else f"{name},{filt}"
             rows.append({"task": task, "metric": metric, "value": float(value), "stderr": stderr})
@@ -392,10 +398,18 @@ def summarize_fidelity(csvs: Iterable[os.PathLike | str], out_csv: os.PathLike |
     return df
 
 
+def recall_metrics(probe: dict) -> dict[str, float | None]:
+    """{"acc": overall accuracy, "acc,d<lo>-<hi>": accuracy of each distance bin} of a recall
+    probe result (dimattn.recall.score_queries): the bins are the probe's RULER subtasks."""
+    return {"acc": probe["accuracy"]} | {
+        f"acc,d{b['min_distance']}-{b['max_distance']}": b["accuracy"] for b in probe["by_distance"]
+    }
+
+
 def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
     """Projected models' scores (dimattn.evaluation.score_projected), long: one row per (model,
     objective, d', l, kv, task, metric); held-out perplexity as task "perplexity:<corpus>",
-    metric "ppl"."""
+    metric "ppl"; the recall probe as task "recall:<corpus>", metrics of :func:`recall_metrics`."""
     rows = []
     for path in jsons:
         record = json.loads(Path(path).read_text())
@@ -406,6 +420,9 @@ def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLik
         fields["share"] = record["num_projected"] / record["n_layers"]
         for corpus, ppl in record["perplexity"].items():
             rows.append(fields | {"task": f"perplexity:{corpus}", "metric": "ppl", "value": ppl["ppl"], "stderr": None})
+        for corpus, probe in record.get("recall", {}).items():
+            rows += [fields | {"task": f"recall:{corpus}", "metric": metric, "value": value, "stderr": None}
+                     for metric, value in recall_metrics(probe).items()]
         rows += [fields | row for row in _lm_eval_rows(record["results"])]
     if not rows:
         raise ValueError("summarize_downstream found no scores in its inputs")
