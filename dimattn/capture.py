@@ -1,6 +1,10 @@
 """DimPO's capture (seed 003, Section 3.3): run a frozen causal LM once and record post-RoPE
 queries, keys and values of its attention layers, saved by dimattn.projections.save_capture.
 
+A DAR or uniform layer of our models (seed 000) also gives its far keys and values, those of the
+bottlenecked states, and its window: query i reads key j near when 0 <= i - j < window, far
+otherwise (dimattn.projections.near_mask).
+
 Its own module because it needs transformers (about 3 s to import), which the many fit jobs
 (dimattn.projections) do not.
 """
@@ -19,13 +23,17 @@ from .projections import resolve_settings, save_capture
 
 CAPTURE_IMPLEMENTATION = "dimattn_capture"
 
-# Filled by _capture_attention while capture_qkv runs: {layer: {"q": [...], "k": [...], "v": [...]}}.
-_capture_store: dict[int, dict[str, list[torch.Tensor]]] | None = None
+# Filled by _capture_attention while capture_qkv runs: {layer: {"q": [...], "k": [...], "v": [...]}},
+# plus "k_far", "v_far" lists and the "window" (an int) on DAR and uniform layers.
+_capture_store: dict[int, dict[str, list[torch.Tensor] | int]] | None = None
 _capture_layers: set[int] | None = None
 
 
-def _capture_attention(module, query, key, value, attention_mask, **kwargs):
-    """Record (q, k, v) of ``module.layer_idx``, then attend exactly as ``sdpa`` would."""
+def _capture_attention(module, query, key, value, attention_mask, *, far_key=None, far_value=None, window=None,
+                       attend=None, **kwargs):  # fmt: skip
+    """Record (q, k, v) of ``module.layer_idx``, and (k_far, v_far) and the window of a DAR or
+    uniform layer, then attend exactly as the model would: ``sdpa``, or the layer's own kernels
+    (``attend``, dimattn.modeling_dimattn.CausalSelfAttention._attention)."""
     layer = module.layer_idx
     if _capture_store is not None and (_capture_layers is None or layer in _capture_layers):
         q = query.detach().float()
@@ -33,10 +41,16 @@ def _capture_attention(module, query, key, value, attention_mask, **kwargs):
         if scaling is not None and abs(scaling * math.sqrt(q.shape[-1]) - 1.0) > 1e-6:
             # psi is defined with 1/sqrt(d); fold any other model scaling into the queries.
             q = q * (scaling * math.sqrt(q.shape[-1]))
-        entry = _capture_store.setdefault(layer, {"q": [], "k": [], "v": []})
-        entry["q"].append(q.cpu())
-        entry["k"].append(key.detach().float().cpu())
-        entry["v"].append(value.detach().float().cpu())
+        parts = {"q": q, "k": key, "v": value}
+        if far_key is not None:
+            parts |= {"k_far": far_key, "v_far": far_value}
+        entry = _capture_store.setdefault(layer, {})
+        for name, t in parts.items():
+            entry.setdefault(name, []).append(t.detach().float().cpu())
+        if far_key is not None:
+            entry["window"] = window
+    if attend is not None:
+        return attend(query, (key, value), (far_key, far_value)), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -50,8 +64,9 @@ def capture_qkv(model, input_ids: torch.LongTensor, *, layers=None, batch_size: 
     """Post-RoPE queries, keys and values of every (or the listed) attention layer.
 
     input_ids: (N, T), unpadded. Returns {layer: {"q": (N, H, T, d), "k": (N, H_kv, T, d),
-    "v": (N, H_kv, T, d)}}, float32 on CPU. The model runs in eval mode without a KV cache,
-    ``batch_size`` sequences at a time; its outputs are unchanged and its attention
+    "v": (N, H_kv, T, d)}}, float32 on CPU; a DAR or uniform layer adds "k_far", "v_far" (shaped
+    as k, v) and "window" (an int; 0 on a uniform layer). The model runs in eval mode without a
+    KV cache, ``batch_size`` sequences at a time; its outputs are unchanged and its attention
     implementation and train/eval mode are restored afterwards.
     """
     global _capture_store, _capture_layers
@@ -75,7 +90,8 @@ def capture_qkv(model, input_ids: torch.LongTensor, *, layers=None, batch_size: 
             f"or attention that does not call ALL_ATTENTION_FUNCTIONS[config._attn_implementation]"
         )
     return {
-        layer: {name: torch.cat(parts) for name, parts in store[layer].items()} for layer in sorted(store)
+        layer: {name: torch.cat(parts) if isinstance(parts, list) else parts for name, parts in store[layer].items()}
+        for layer in sorted(store)
     }
 
 

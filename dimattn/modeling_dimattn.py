@@ -7,6 +7,9 @@ comes without the logits).
 Parameter names follow transformers' GPT-NeoX so that a vanilla model counts exactly as Pythia.
 """
 
+import functools
+import inspect
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -21,6 +24,14 @@ from .configuration_dimattn import DimAttnConfig
 # Attention implementations that mean "use our own kernels"; any other registered name (for
 # example the query/key capture of the DimPO stage) is called like transformers calls it.
 NATIVE_IMPLEMENTATIONS = {None, "eager", "sdpa"}
+
+
+@functools.cache
+def takes_far_keys(attention_fn) -> bool:
+    """Whether a registered attention function also serves DAR and uniform layers: it names the
+    keyword ``attend`` (see CausalSelfAttention._attention); transformers' own functions would
+    silently drop far keys into their **kwargs."""
+    return "attend" in inspect.signature(attention_fn).parameters
 
 
 def rotate_half(x):
@@ -177,6 +188,9 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.variant_name = config.layer_attention(layer_idx)
         self.variant = ATTENTION_VARIANTS[self.variant_name]
+        # Query i reads key j near (full) when 0 <= i - j < window, far (bottlenecked) otherwise;
+        # a uniform layer has no near key.
+        self.window = config.window if self.variant.near else 0
         # Attributes transformers' attention functions read (used by the DimPO capture).
         self.is_causal = True
         self.num_key_value_groups = 1
@@ -204,7 +218,7 @@ class CausalSelfAttention(nn.Module):
         v = v.squeeze(-2).transpose(1, 2)
         if isinstance(cache, DimAttnCache) and self.layer_idx in cache.latent_layers:
             out = self._attend_from_latents(q, k, v, h, cache, rope_all, key_padding_mask)
-            return self.dense(out.transpose(1, 2).reshape(b, t, -1))
+            return self.dense(out.reshape(b, t, -1))
         near_kv = far_kv = None
         if self.variant.near:
             near_kv = (k, v)
@@ -227,29 +241,46 @@ class CausalSelfAttention(nn.Module):
             near_kv = next(pairs) if self.variant.near else None
             far_kv = next(pairs) if self.variant.far else None
 
-        implementation = getattr(self.config, "_attn_implementation", None)
-        if implementation not in NATIVE_IMPLEMENTATIONS:
-            if self.variant_name != "vanilla":
-                raise ValueError(f"attention implementation {implementation!r} supports only vanilla layers")
-            attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None)
-            out, _ = attention_fn(self, q, *near_kv, None, scaling=self.scaling, dropout=0.0)
-        else:
-            out = self.variant(
+        def attend(q, near_kv, far_kv):
+            return self.variant(
                 q, near_kv, far_kv, window=self.config.window, dilation=self.config.dilation,
                 key_padding_mask=key_padding_mask, kernel=self.config.attention_kernel,
             ).transpose(1, 2)
+
+        # A uniform layer never reads its full keys (window 0); a capture records them all the same.
+        out = self._attention(q, (k, v) if near_kv is None else near_kv, far_kv, attend)
         return self.dense(out.reshape(b, t, -1))  # (B, T, H, hs) -> (B, T, d)
+
+    def _attention(self, q, near_kv, far_kv, attend):
+        """(B, T, H, hs): ``attend(q, near_kv, far_kv)``, our kernels, under a native implementation;
+        else the registered function, called as transformers calls it. On a DAR or uniform layer
+        only a function that takes far keys (takes_far_keys) is called, with ``far_key``,
+        ``far_value``, ``window`` and ``attend`` besides: it may transform q and both key sets
+        (the projected attention applies F to them), then calls ``attend``, which keeps the
+        layer's masks, padding and cache."""
+        implementation = getattr(self.config, "_attn_implementation", None)
+        if implementation in NATIVE_IMPLEMENTATIONS:
+            return attend(q, near_kv, far_kv)
+        attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None)
+        if self.variant_name == "vanilla":
+            return attention_fn(self, q, *near_kv, None, scaling=self.scaling, dropout=0.0)[0]
+        if not (self.variant.far and takes_far_keys(attention_fn)):
+            raise ValueError(f"attention implementation {implementation!r} supports only vanilla layers"
+                             + (" (and DAR / uniform ones if it accepts far keys)" if self.variant.far else ""))
+        out, _ = attention_fn(self, q, *near_kv, None, scaling=self.scaling, dropout=0.0, far_key=far_kv[0],
+                              far_value=far_kv[1], window=self.window, attend=attend)  # fmt: skip
+        return out
 
     def _attend_from_latents(self, q, k, v, h, cache, rope_all, key_padding_mask):
         """DAR / uniform attention against DimAttnCache: far keys and values rebuilt from the
-        latents of every slot, near ones read from the last window - 1 slots."""
+        latents of every slot, near ones read from the last window - 1 slots. (B, T, H, hs)."""
         state, t = cache.latent_layers[self.layer_idx], q.shape[-2]
         z = self.bottleneck.encode(h)
         state.latent = z if state.latent is None else torch.cat([state.latent, z], dim=1)
         slots = state.latent.shape[1]
         k_far, v_far = (x.transpose(1, 2) for x in self._far_key_value(state.latent))  # (B, H, slots, hs)
         k_far = apply_rotary(k_far, *rope_all)
-        window = self.config.window if self.variant.near else 0
+        window = self.window
         if window:
             near_k = k if state.near_k is None else torch.cat([state.near_k, k], dim=-2)
             near_v = v if state.near_v is None else torch.cat([state.near_v, v], dim=-2)
@@ -257,10 +288,15 @@ class CausalSelfAttention(nn.Module):
             state.near_k, state.near_v = near_k[..., keep:, :], near_v[..., keep:, :]
         else:
             near_k = near_v = k[..., :0, :]
-        return latent_dar_attention(
-            q, near_k, near_v, k_far, v_far, window, q_start=slots - t, near_start=slots - near_k.shape[-2],
-            key_padding_mask=key_padding_mask,
-        )
+
+        def attend(q, near_kv, far_kv):
+            return latent_dar_attention(
+                q, *near_kv, *far_kv, window, q_start=slots - t, near_start=slots - near_kv[0].shape[-2],
+                key_padding_mask=key_padding_mask,
+            ).transpose(1, 2)
+
+        return self._attention(q, (near_k, near_v), (k_far, v_far), attend)
+
 
 class MLP(nn.Module):
     def __init__(self, config: DimAttnConfig):

@@ -11,6 +11,12 @@ authors' code. The model's own attention implementation (SDPA) does the rest, so
 Qwen3 (GQA) and our own DimAttn vanilla runs are served by one attention function registered
 with transformers' ``AttentionInterface``; no hub code runs.
 
+Both reductions composed: on a DAR or uniform layer of our models (seed 000) F applies to the
+query and to whichever key it scores, near or far, F(q_i).F(k_ij) * s, with the layer's own
+kernels. Such a model keeps its own DimAttnCache (the d_down latents of every token, full K/V of
+the last w - 1): keys are projected at attention time, near keys as read from the cache and far
+keys as rebuilt from the latents, so that cache holds no F(k) and KV compression does not apply.
+
 A projected model is a model directory (:func:`save_projected_model`): ``config.json``
 (``ProjectedConfig``: the base model's path or hub name, l, the scale), ``projections.safetensors``,
 the tokenizer, and this module copied beside them, so that
@@ -50,9 +56,14 @@ def _apply(projection: Affine, x: torch.Tensor) -> torch.Tensor:
     return projection.to(dtype=x.dtype, device=x.device)(x)
 
 
-def projected_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+def projected_attention(module, query, key, value, attention_mask, scaling=None, *, far_key=None, far_value=None,
+                        window=None, attend=None, **kwargs):  # fmt: skip
     """transformers' SDPA on every layer; on a projected one (``module.dimattn_projection`` set),
     on F(q) and F(k) at the projection's scale. Keys a ProjectedCache returns are F(k) already.
+    A DAR or uniform layer of our models hands over its far keys and its own kernels
+    (``attend``, dimattn.modeling_dimattn CausalSelfAttention._attention): F applies to the
+    near and the far keys alike, and ``attend`` scores at 1/sqrt(width of q), so the scale
+    rides on F(q).
 
     The model's own ``scaling`` is folded into the queries first, as the capture that the
     projection was fitted on did (dimattn.capture), so psi's 1/sqrt(d) convention holds.
@@ -66,6 +77,13 @@ def projected_attention(module, query, key, value, attention_mask, scaling=None,
         if not getattr(key, _PROJECTED_TAG, False):
             key = _apply(projection, key)
         scaling = module.dimattn_scale
+    if attend is not None:
+        if projection is not None:
+            far_key = _apply(projection, far_key)
+            factor = scaling * math.sqrt(query.shape[-1])
+            if abs(factor - 1.0) > 1e-6:
+                query = query * factor
+        return attend(query, (key, value), (far_key, far_value)), None
     out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     layer = getattr(key, _LAYER_TAG, None)
     if layer is not None:
@@ -147,17 +165,24 @@ def _cache_argument(kwargs) -> str:
     return "cache" if "cache" in kwargs or "past_key_values" not in kwargs else "past_key_values"
 
 
+def _keeps_own_cache(model) -> bool:
+    """Our DAR and uniform models cache d_down latents (DimAttnCache), which a ProjectedCache
+    cannot hold; their projected layers project keys at attention time instead."""
+    return bool(getattr(model.config, "uses_bottleneck", False))
+
+
 class ProjectedForwardMixin:
     """Put in front of the base model's class by :func:`attach_projections`: every forward that
     will cache keys caches F(k). generate() hands the model an empty DynamicCache; it is
-    replaced by a ProjectedCache, which the outputs carry back to generate()."""
+    replaced by a ProjectedCache, which the outputs carry back to generate() (except on a
+    model that keeps its own cache)."""
 
     def forward(self, *args, **kwargs):
         name = _cache_argument(kwargs)
         cache = kwargs.get(name)
         use_cache = kwargs.get("use_cache")
         use_cache = getattr(self.config, "use_cache", False) if use_cache is None else use_cache
-        if use_cache and not isinstance(cache, ProjectedCache):
+        if use_cache and not isinstance(cache, ProjectedCache) and not _keeps_own_cache(self):
             if cache is not None and cache.get_seq_length() > 0:
                 raise ValueError(f"a projected model needs a ProjectedCache, got a filled {type(cache).__name__}")
             kwargs[name] = ProjectedCache(self)
@@ -209,6 +234,9 @@ def attach_projections(model, projections: dict, num_projected: int, scale: str 
     named in errors.
     """
     kv = check_kv(kv)
+    if kv and _keeps_own_cache(model):
+        raise ValueError(f"kv={kv!r}: KV compression needs a plain KV cache; {type(model).__name__} with DAR or "
+                         "uniform layers keeps its own (DimAttnCache)")  # fmt: skip
     modules = attention_modules(model)
     layers = projected_layers(len(modules), num_projected)
     missing = [layer for layer in layers if layer not in projections]

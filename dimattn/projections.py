@@ -4,7 +4,8 @@ Read top to bottom:
 
 1. ``dimattn.capture.capture_qkv`` (its own module: it needs transformers, the fits do not)
    runs a frozen causal LM once through a registered attention function that records
-   post-RoPE queries, keys and values per layer, then hands over to transformers' SDPA.
+   post-RoPE queries, keys and values per layer, then hands over to transformers' SDPA (on
+   a DAR or uniform layer, to the layer's own kernels).
 2. ``save_capture`` / ``load_capture`` store them as safetensors (``layer{l}.q`` ...).
 3. ``FitSettings`` and ``PRESETS``: every choice of a fit as a named field, with the authors'
    value and ours; ``resolve_settings`` merges preset, objective defaults and config hparams.
@@ -19,6 +20,12 @@ Read top to bottom:
 
 Shapes: a layer capture holds q (N, H, T, d), k and v (N, H_kv, T, d); query head h reads
 key/value head h // (H / H_kv), as transformers' ``repeat_kv`` lays them out.
+
+A DAR or uniform layer of our models (seed 000) also holds k_far and v_far, the keys and values
+of the bottlenecked states, and its ``window``: query i scores key j with k_j when
+0 <= i - j < window (:func:`near_mask`) and with k_far_j otherwise, future keys of non-causal
+lists included; values likewise. Every gather of a key list (instances, pairs, PCA data,
+fidelity) follows that rule, so the objectives fit F on the keys the layer really scores.
 """
 
 import csv
@@ -37,11 +44,23 @@ from .atomic import atomic_file
 from .objectives import get_objective, pca_projection, select_pairs
 from .settings import from_mapping
 
+CAPTURE_PARTS = ("q", "k", "v", "k_far", "v_far")
+
+
+def near_mask(query_pos, key_pos, window: int):
+    """Whether query position i reads key position j near (full): 0 <= i - j < window (seed
+    000, Eq. 3; dimattn.attention's convention). Broadcasts."""
+    distance = query_pos - key_pos
+    return (distance >= 0) & (distance < window)
+
+
 def save_capture(capture, path, meta: Mapping | None = None) -> None:
-    """Safetensors file with tensors ``layer{l}.q|k|v`` and JSON-string metadata.
+    """Safetensors file with tensors ``layer{l}.q|k|v`` (and ``k_far|v_far`` of DAR and uniform
+    layers) and JSON-string metadata.
 
     The metadata always holds head_dim, heads, kv_heads, seq_len, n_sequences and layers (read
-    off the tensors); ``meta`` adds to it (e.g. ``model``) and may not contradict it.
+    off the tensors), and ``windows`` ({layer: window}) when a layer has far keys; ``meta`` adds
+    to it (e.g. ``model``) and may not contradict it.
     """
     first = capture[min(capture)]
     n, heads, seq_len, head_dim = first["q"].shape
@@ -53,29 +72,34 @@ def save_capture(capture, path, meta: Mapping | None = None) -> None:
         n_sequences=n,
         layers=sorted(capture),
     )
+    windows = {str(layer): int(parts["window"]) for layer, parts in capture.items() if "k_far" in parts}
+    if windows:  # a vanilla capture's metadata stays as it was
+        derived["windows"] = windows
     meta = dict(meta or {})
     for key, value in derived.items():
         if key in meta and meta[key] != value:
             raise ValueError(f"meta[{key!r}]={meta[key]!r} disagrees with the capture ({value!r})")
     tensors = {
         f"layer{layer}.{name}": t.contiguous() for layer, qkv in capture.items() for name, t in qkv.items()
+        if name != "window"
     }
     _save_atomic(tensors, path, _metadata({**meta, **derived}))
 
 
 def load_capture(path):
-    """(capture, meta) as written by :func:`save_capture`. A truncated or corrupt file, a layer
-    missing q, k or v, shapes that disagree (q (N, H, T, d), k and v (N, H_kv, T, .), H a
-    multiple of H_kv, every layer alike) or metadata contradicting them is refused naming the
-    file."""
+    """(capture, meta) as written by :func:`save_capture`; a layer with far keys gets its
+    ``window`` back from the metadata. A truncated or corrupt file, a layer missing q, k or v,
+    shapes that disagree (q (N, H, T, d), k and v (N, H_kv, T, .), H a multiple of H_kv, every
+    layer alike, k_far and v_far shaped as k and v), or metadata contradicting them is refused
+    naming the file."""
     what = "capture"
-    capture, meta = _load_layers(path, ("q", "k", "v"), what)
+    capture, meta = _load_layers(path, CAPTURE_PARTS, what)
     first = min(capture)
     for layer, qkv in capture.items():
         missing = [part for part in "qkv" if part not in qkv]
         if missing:
             raise DamagedFileError(f"{what} {path}: layer {layer} has no {' or '.join(missing)} tensor")
-        shapes = {part: tuple(t.shape) for part, t in qkv.items()}
+        shapes = {part: tuple(qkv[part].shape) for part in "qkv"}
         q, k, v = shapes["q"], shapes["k"], shapes["v"]
         ok = (
             len(q) == len(k) == len(v) == 4
@@ -87,13 +111,24 @@ def load_capture(path):
                 f"{what} {path}: layer {layer} has q {q}, k {k}, v {v}; expected q (N, H, T, d), "
                 "k (N, H_kv, T, d) and v (N, H_kv, T, d_v) with H a multiple of H_kv"
             )
-        if layer != first and shapes != {part: tuple(t.shape) for part, t in capture[first].items()}:
-            ref = {part: tuple(t.shape) for part, t in capture[first].items()}
+        if layer != first and shapes != {part: tuple(capture[first][part].shape) for part in "qkv"}:
+            ref = {part: tuple(capture[first][part].shape) for part in "qkv"}
             raise DamagedFileError(f"{what} {path}: layer {layer} has shapes {shapes}, layer {first} {ref}")
+        far = {part: tuple(qkv[part].shape) for part in ("k_far", "v_far") if part in qkv}
+        if far and far != {"k_far": k, "v_far": v}:
+            raise DamagedFileError(f"{what} {path}: layer {layer} has {far}; expected k_far {k} and v_far {v}, "
+                                   "shaped as k and v")  # fmt: skip
     n, heads, seq_len, head_dim = capture[first]["q"].shape
     derived = dict(head_dim=head_dim, heads=heads, kv_heads=capture[first]["k"].shape[1], seq_len=seq_len,
                    n_sequences=n, layers=sorted(capture))  # fmt: skip
     _check_meta(path, what, meta, derived)
+    windows = meta.get("windows", {})
+    far = sorted(layer for layer, qkv in capture.items() if "k_far" in qkv)
+    if sorted(int(layer) for layer in windows) != far:
+        raise DamagedFileError(f"{what} {path}: metadata gives windows of layers {sorted(map(int, windows))}, "
+                               f"the tensors hold far keys of layers {far}")  # fmt: skip
+    for layer in far:
+        capture[layer]["window"] = int(windows[str(layer)])
     return capture, meta
 
 
@@ -308,9 +343,21 @@ class Instances:
     groups: int  # query heads per key/value head
     causal: bool = False
     key_subset: torch.Tensor | None = None  # (N, H_kv, n_keys) sampled key positions
+    far_keys_source: torch.Tensor | None = None  # (N, H_kv, T, d), a DAR / uniform layer's far keys
+    window: int = 0  # keys beyond it are far (near_mask)
 
     def __len__(self):
         return len(self.seq)
+
+    def key_vectors(self, inst, positions):
+        """(P, d) keys that instances ``inst`` (P,) score at key ``positions`` (P,): near, or
+        far beyond the window (near_mask) on a layer with far keys."""
+        seq, kv_head = self.seq[inst], self.head[inst] // self.groups
+        keys = self.keys_source[seq, kv_head, positions]
+        if self.far_keys_source is None:
+            return keys
+        near = near_mask(self.pos[inst], positions, self.window)
+        return torch.where(near[:, None], keys, self.far_keys_source[seq, kv_head, positions])
 
     def batch(self, index=None):
         """dict of query (B, d), keys (B, L, d), positions (B, L) of the keys in the sequence,
@@ -322,11 +369,15 @@ class Instances:
         seq_len = self.keys_source.shape[2]
         if self.key_subset is not None:
             positions = self.key_subset[seq, kv_head]  # (B, n_keys)
-            keys = self.keys_source[seq[:, None], kv_head[:, None], positions]
+            where = (seq[:, None], kv_head[:, None], positions)
         else:
             length = int(pos.max()) + 1 if self.causal else seq_len
             positions = torch.arange(length, device=device).expand(len(index), length)
-            keys = self.keys_source[seq, kv_head, :length]
+            where = (seq, kv_head, slice(None, length))
+        keys = self.keys_source[where]
+        if self.far_keys_source is not None:
+            near = near_mask(pos[:, None], positions, self.window)
+            keys = torch.where(near[..., None], keys, self.far_keys_source[where])
         mask = positions <= pos[:, None] if self.causal else torch.ones_like(positions, dtype=torch.bool)
         query = self.query[index]
         scores = torch.einsum("bd,bld->bl", query, keys) / math.sqrt(query.shape[-1])
@@ -351,7 +402,8 @@ def build_instances(layer_capture, settings: FitSettings, generator: torch.Gener
         n_keys = min(settings.num_sampled_keys, seq_len)
         subset = torch.rand(n, k.shape[1], seq_len, generator=generator).argsort(-1)[..., :n_keys].to(q.device)
     seq, head, pos = seq.to(q.device), head.to(q.device), pos.to(q.device)
-    return Instances(seq, head, pos, q[seq, head, pos], k, heads // k.shape[1], settings.causal, subset)
+    return Instances(seq, head, pos, q[seq, head, pos], k, heads // k.shape[1], settings.causal, subset,
+                     layer_capture.get("k_far"), layer_capture.get("window", 0))  # fmt: skip
 
 
 @dataclass
@@ -369,9 +421,8 @@ class Pairs:
         """(query, chosen key, rejected key), (B, d) each, for pairs ``index``."""
         index = torch.as_tensor(index).to(self.inst.device)
         inst = self.inst[index]
-        seq, kv_head = instances.seq[inst], instances.head[inst] // instances.groups
-        source = instances.keys_source
-        return instances.query[inst], source[seq, kv_head, self.chosen[index]], source[seq, kv_head, self.rejected[index]]
+        chosen, rejected = (instances.key_vectors(inst, keys[index]) for keys in (self.chosen, self.rejected))
+        return instances.query[inst], chosen, rejected
 
 
 def build_pairs(instances: Instances, settings: FitSettings, generator: torch.Generator) -> Pairs:
@@ -396,8 +447,12 @@ def build_pairs(instances: Instances, settings: FitSettings, generator: torch.Ge
 
 def pca_data(layer_capture, settings: FitSettings):
     """(queries, keys) of a PCA fit: the queries of all heads at the strided positions and all
-    keys, of all sequences or only the last (``settings.pca_fit``)."""
+    keys, of all sequences or only the last (``settings.pca_fit``). A layer with far keys pools
+    the keys it scores: near and far ones alike, far ones only on a uniform layer (window 0)."""
     q, k = layer_capture["q"], layer_capture["k"]
+    if "k_far" in layer_capture:
+        far = layer_capture["k_far"]
+        k = torch.cat([k, far], dim=2) if layer_capture["window"] > 0 else far
     if settings.pca_fit == "last":
         q, k = q[-1:], k[-1:]
     return q[:, :, :: settings.query_stride or q.shape[1]], k
@@ -453,7 +508,7 @@ def fit_layer(layer_capture, objective: str, d_prime: int, hparams=None, seed: i
     """
     obj, st = get_objective(objective), resolve_settings(objective, hparams)
     if device is not None:
-        layer_capture = {name: t.to(device) for name, t in layer_capture.items()}
+        layer_capture = {name: t.to(device) if torch.is_tensor(t) else t for name, t in layer_capture.items()}
     generator = torch.Generator().manual_seed(seed)
     d = layer_capture["q"].shape[-1]
     if not obj.trained:
@@ -532,16 +587,21 @@ def attention_fidelity(capture, projections, *, causal: bool = False, scale: str
     head), averaged over heads, positions and value dimensions.
 
     psi = Softmax(q K^T / sqrt(d)); pi = Softmax(F(q) F(K)^T * scale), scale 1/sqrt(d') for
-    "d_prime" (Table 1) or 1/sqrt(d) for "d" (the authors' inference). ``causal`` False: every
-    query sees all T keys (the authors'). ``mse_head_chunk`` c > 0: the MSE over the last chunk
-    of c query heads only (the authors' latest code). Query positions go ``chunk_size`` at a
-    time, so memory is O(H chunk_size T). ``device``: where to compute (default: the capture's).
+    "d_prime" (Table 1) or 1/sqrt(d) for "d" (the authors' inference). On a layer with far keys,
+    K and V hold for each (query i, key j) the near or the far key and value (near_mask).
+    ``causal`` False: every query sees all T keys (the authors'). ``mse_head_chunk`` c > 0: the
+    MSE over the last chunk of c query heads only (the authors' latest code). Query positions
+    go ``chunk_size`` at a time, so memory is O(H chunk_size T). ``device``: where to compute
+    (default: the capture's).
     """
     rows = []
     for layer, projection in sorted(projections.items()):
         if layer not in capture:
             raise KeyError(f"projection for layer {layer} but the capture has layers {sorted(capture)}")
         q, k, v = (capture[layer][name].to(device) for name in "qkv")
+        far = "k_far" in capture[layer]
+        if far:
+            k_far, v_far = (capture[layer][name].to(device) for name in ("k_far", "v_far"))
         n, heads, seq_len, d = q.shape
         kv_heads, d_v = k.shape[1], v.shape[-1]
         proj = as_affine(projection).to(device=q.device, dtype=q.dtype)
@@ -558,6 +618,12 @@ def attention_fidelity(capture, projections, *, causal: bool = False, scale: str
                 keys, values = k[i, :, :width], v[i, :, :width]  # (H_kv, width, d)
                 full = torch.einsum("hgcd,htd->hgct", qc, keys) / math.sqrt(d)
                 low = torch.einsum("hgcd,htd->hgct", u, keys) * low_scale
+                if far:
+                    near = near_mask(torch.arange(start, stop, device=q.device)[:, None],
+                                     torch.arange(width, device=q.device), capture[layer]["window"])  # (c, width)
+                    far_keys = k_far[i, :, :width]
+                    full = torch.where(near, full, torch.einsum("hgcd,htd->hgct", qc, far_keys) / math.sqrt(d))
+                    low = torch.where(near, low, torch.einsum("hgcd,htd->hgct", u, far_keys) * low_scale)
                 if causal:
                     future = torch.arange(width, device=q.device)[None, :] > torch.arange(start, stop, device=q.device)[:, None]
                     full, low = full.masked_fill(future, float("-inf")), low.masked_fill(future, float("-inf"))
@@ -565,7 +631,13 @@ def attention_fidelity(capture, projections, *, causal: bool = False, scale: str
                 psi, pi = log_psi.exp(), torch.softmax(low, -1)
                 kl = torch.where(psi > 0, psi * (log_psi - torch.log(pi + KL_EPS)), torch.zeros_like(psi))
                 kl_sum += kl.sum(dtype=torch.float64).item()
-                diff = torch.einsum("hgct,htd->hgcd", psi - pi, values).reshape(heads, stop - start, d_v)
+                if far:
+                    weights = psi - pi
+                    diff = (torch.einsum("hgct,htd->hgcd", weights.masked_fill(~near, 0.0), values)
+                            + torch.einsum("hgct,htd->hgcd", weights.masked_fill(near, 0.0), v_far[i, :, :width]))
+                else:
+                    diff = torch.einsum("hgct,htd->hgcd", psi - pi, values)
+                diff = diff.reshape(heads, stop - start, d_v)
                 mse_sum += diff[first:].pow(2).sum(dtype=torch.float64).item()
         rows.append(
             {"layer": layer, "kl": kl_sum / (n * heads * seq_len), "mse": mse_sum / (n * (heads - first) * seq_len * d_v)}

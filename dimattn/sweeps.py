@@ -69,6 +69,9 @@ RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey
                "niah_multikey_3", "niah_multiquery", "niah_multivalue", "ruler_vt", "ruler_cwe", "ruler_fwe",
                "ruler_qa_squad", "ruler_qa_hotpot")  # fmt: skip
 RULER_MIN_LENGTH = 2048
+# Runs DimPO can project: vanilla, and DAR or uniform, whose far keys F projects too (both
+# reductions composed, dimattn.modeling_projected); a sliding window drops keys F never sees.
+PROJECTABLE = ("vanilla", "dar", "uniform")
 BASE_OBJECTIVE = "base"  # the unprojected model (l = 0) among the downstream scores
 NO_KV = "none"  # no KV-cache compression
 
@@ -236,6 +239,20 @@ class Plan:
         spec = self.dimpo["ablations"].get(study, {})
         return spec.get("models", list(self.dimpo_models))
 
+    def grid(self, model: str, key: str) -> list:
+        """Table 1's objectives or d_prime (``key``) for a model: its own, or dimpo's."""
+        return self.dimpo_models[model].get(key, self.dimpo[key])
+
+    def model_fits(self, model: str) -> list[Fit]:
+        """The fits of one dimpo model: Table 1's grid (its own objectives and d' where it sets
+        them), then the studies of dimpo.ablations that fit it."""
+        return [
+            f for f in self.dimpo_fits
+            if model in self.study_models(f.study)
+            and (f.study != MAIN_STUDY or (f.objective in self.grid(model, "objectives")
+                                           and f.d_prime in self.grid(model, "d_prime")))
+        ]  # fmt: skip
+
     def dimpo_probe(self, model: str) -> str:
         """How a dimpo model is captured and scored downstream: "recall" (our run on a synthetic
         recall corpus: captured on it, scored on the recall probe through the KV cache), "text"
@@ -261,11 +278,15 @@ class Plan:
         """The models dimpo.downstream scores for one dimpo model: the base model, then every
         objective x d' x l x fit seed (dimpo.seeds: the spread of Figures 2-3), each without and
         with every KV compression. Compression changes generation only, so it is scored only
-        where generation is (the recall probe, a hub model's tasks)."""
+        where generation is (the recall probe, a hub model's tasks), and on a plain KV cache (not
+        a DAR or uniform model's latent one)."""
         ds = self.downstream
         if not (self.dimpo_enabled and ds["objectives"]):
             return []
-        generative = self.dimpo_probe(model) != "text"
+        spec = self.dimpo_models[model]
+        # a DAR or uniform model keeps its own latent cache, which KV compression does not act on
+        own_cache = "run" in spec and self.runs[spec["run"]].model["attention"] != "vanilla"
+        generative = self.dimpo_probe(model) != "text" and not own_cache
         kvs = [{"name": NO_KV}] + (ds["kv"] if generative else [])
         return [Projected(BASE_OBJECTIVE, 0, 0, kv["name"]) for kv in kvs] + [
             Projected(objective, d, l, kv["name"], seed)
@@ -416,8 +437,9 @@ def check_references(p: Plan) -> None:
         if spec["run"] not in p.runs:
             raise ConfigError(key, f"unknown run {spec['run']!r}; known: {sorted(p.runs)}")
         run = p.runs[spec["run"]]
-        if run.model["attention"] != "vanilla":
-            raise ConfigError(key, "DimPO projects a frozen vanilla model")
+        if run.model["attention"] not in PROJECTABLE:
+            raise ConfigError(key, f"DimPO projects a frozen {', '.join(PROJECTABLE)} model, not "
+                                   f"{run.model['attention']!r}")
         head_dim = run.model["hidden_size"] // run.model["num_attention_heads"]
         depth = [l for l in p.num_projected(spec["name"]) if l > run.model["num_hidden_layers"]]
         if depth and p.downstream["objectives"]:
@@ -426,8 +448,10 @@ def check_references(p: Plan) -> None:
                               f"l={depth[0]} exceeds the {run.model['num_hidden_layers']} layers of run {spec['run']!r}")
         if run.synthetic:
             _check_recall_capture(p, i, spec, run)
-        widths = {"dimpo.d_prime": p.dimpo["d_prime"]} | {
+        own = f"dimpo.models[{i}].d_prime" if "d_prime" in spec else "dimpo.d_prime"
+        widths = {own: p.grid(spec["name"], "d_prime")} | {
             f"dimpo.ablations.{study}.d_prime": a["d_prime"] for study, a in p.dimpo["ablations"].items()
+            if spec["name"] in p.study_models(study)
         }
         for width_key, d_primes in widths.items():
             too_wide = [d for d in d_primes if d > head_dim]
@@ -478,10 +502,13 @@ def _check_downstream(p: Plan) -> None:
         if not ds[key]:
             raise ConfigError(f"dimpo.downstream.{key}", "required when dimpo.downstream.objectives names one")
     for key in ("objectives", "d_prime"):
-        unknown = [v for v in ds[key] if v not in p.dimpo[key]]
-        if unknown:
-            raise ConfigError(f"dimpo.downstream.{key}",
-                              f"{unknown[0]!r} is not fitted (dimpo.{key}: {p.dimpo[key]})")
+        for model in p.dimpo_models:
+            unknown = [v for v in ds[key] if v not in p.grid(model, key)]
+            if unknown:
+                where = f"dimpo.models[{list(p.dimpo_models).index(model)}].{key}" if key in p.dimpo_models[model] \
+                    else f"dimpo.{key}"
+                raise ConfigError(f"dimpo.downstream.{key}",
+                                  f"{unknown[0]!r} is not fitted for {model!r} ({where}: {p.grid(model, key)})")
     ruler = [t["name"] for t in ds["tasks"] if t["name"] in RULER_TASKS]
     short = [n for n in ds["metadata"].get("max_seq_lengths", []) if n < RULER_MIN_LENGTH]
     if ruler and (short or not ds["metadata"].get("max_seq_lengths")):

@@ -199,8 +199,8 @@ def fidelity_studies():
     """{fidelity CSV: [[study, order], ...]}: every DimPO fit of every model and seed, with the
     studies (Table 1's grid, dimpo.ablations) it belongs to."""
     studies = {}
-    for fit in PLAN.dimpo_fits:
-        for model in PLAN.study_models(fit.study):
+    for model in PLAN.dimpo_models:
+        for fit in PLAN.model_fits(model):
             for seed in PLAN.dimpo["seeds"]:
                 path = paths.fidelity(
                     model, fit.objective, fit.setting, fit.d_prime, seed

@@ -145,8 +145,8 @@ BAD = {
     "unknown tokenizer corpus": (lambda c: c["tokenizer"].update(train_on="pile"), "tokenizer.train_on"),
     "dimpo unknown run": (lambda c: c["dimpo"]["models"].append({"name": "x", "run": "tiny-nope"}),
                           "dimpo.models[1].run"),
-    "dimpo of a DAR run": (lambda c: c["dimpo"]["models"].append({"name": "x", "run": "tiny-dar-w32-d16"}),
-                           "dimpo.models[1].run"),
+    "dimpo of a sliding-window run": (lambda c: c["dimpo"]["models"].append({"name": "x", "run": "tiny-swa-w32"}),
+                                      "dimpo.models[1].run: DimPO projects a frozen vanilla, dar, uniform model"),
     "dimpo d_prime > head_dim": (lambda c: c["dimpo"].update(d_prime=[2, 64]), "dimpo.d_prime"),
     "dimpo unknown dataset": (lambda c: c["dimpo"].update(dataset="pile"), "dimpo.dataset"),
     "dimpo without d_prime": (lambda c: c["dimpo"].update(d_prime=[]), "dimpo.d_prime"),
@@ -181,6 +181,12 @@ BAD = {
     "recall capture beyond its split": (
         lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"capture": {"seq_len": 64, "fit_sequences": 300}}),
         "dimpo.models[1].capture.fit_sequences: 300 exceeds the 256 validation examples"),
+    "downstream objective not fitted for a model": (
+        lambda c: (downstream(c, objectives=["kl"], num_projected=[1]),
+                   c["dimpo"]["models"].append(RECALL_MODEL | {"objectives": ["pca"]})),
+        "dimpo.downstream.objectives: 'kl' is not fitted for 'recall-vanilla' (dimpo.models[1].objectives"),
+    "a model's d_prime > its head_dim": (lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"d_prime": [64]}),
+                                         "dimpo.models[1].d_prime: 64 exceeds the head dimension 32"),
     "ablation of an unknown model": (lambda c: c["dimpo"]["ablations"]["quirks"].update(models=["gpt"]),
                                      "dimpo.ablations.quirks.models"),
     "downstream unknown scale": (lambda c: downstream(c, scale="sqrt"), "sqrt"),
@@ -320,5 +326,21 @@ def test_each_model_is_captured_and_scored_by_its_kind():
     assert {"downstream", "long_context", "kv"} <= set(plan.dimpo_studies)
     assert plan.study_models("quirks") == ["tiny-vanilla"]
     assert plan.study_models("table1") == ["tiny-vanilla", "recall-vanilla"]
+    # Table 1's grid of a model: its own objectives and d' where it sets them
+    plan = plan_of(mutated(lambda c: (add_recall(c), c["dimpo"]["models"][1].update(objectives=["kl"], d_prime=[4]))))
+    assert {(f.study, f.objective, f.d_prime) for f in plan.model_fits("recall-vanilla")} == {("table1", "kl", 4)}
+    assert len(plan.model_fits("tiny-vanilla")) == len(plan.dimpo_fits)
     # text models alone: no long-context report
     assert "long_context" not in plan_of(mutated(lambda c: downstream(c))).dimpo_studies
+
+
+def test_a_dar_model_is_projected_without_kv_compression():
+    def add_dar(c):
+        downstream(c, objectives=["kl"], num_projected=[1, 2], kv=[{"name": "kivi2", "kivi": {"bits": 2}}])
+        c["dimpo"]["models"] += [RECALL_MODEL, {"name": "recall-dar", "run": "recall-dar-w4-d8",
+                                                "capture": {"seq_len": 64}}]  # fmt: skip
+
+    plan = plan_of(mutated(add_dar))
+    assert {p.kv for p in plan.projected("recall-vanilla")} == {"none", "kivi2"}
+    # DAR keeps its latent cache (DimAttnCache): the projection composes, KV compression does not
+    assert {p.kv for p in plan.projected("recall-dar")} == {"none"} and plan.dimpo_probe("recall-dar") == "recall"
