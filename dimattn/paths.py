@@ -112,15 +112,15 @@ def prefetched() -> str:
     return f"{DIMPO}/prefetched.json"
 
 
-def projected_model(model: str, objective: str, d_prime, num_projected, kv: str, seed) -> str:
-    """A projected model directory (dimattn.modeling_projected) of the fit with ``seed``;
-    objective "base": the base model."""
-    return f"{DIMPO}/{model}/projected/{objective}-d{d_prime}-l{num_projected}-{kv}-s{seed}"
+def projected_model(model: str, objective: str, setting: str, d_prime, num_projected, kv: str, seed) -> str:
+    """A projected model directory (dimattn.modeling_projected) of the fit ``setting`` with
+    ``seed``; objective "base": the base model."""
+    return f"{DIMPO}/{model}/projected/{objective}/{setting}/d{d_prime}-l{num_projected}-{kv}-s{seed}"
 
 
-def downstream(model: str, objective: str, d_prime, num_projected, kv: str, seed) -> str:
-    """Perplexity and lm-eval scores of a projected model."""
-    return f"{DIMPO}/{model}/downstream/{objective}-d{d_prime}-l{num_projected}-{kv}-s{seed}.json"
+def downstream(model: str, objective: str, setting: str, d_prime, num_projected, kv: str, seed) -> str:
+    """Perplexity, recall-probe and lm-eval scores of a projected model."""
+    return f"{DIMPO}/{model}/downstream/{objective}/{setting}/d{d_prime}-l{num_projected}-{kv}-s{seed}.json"
 
 
 # --- reporting ----------------------------------------------------------------------------------

@@ -78,16 +78,19 @@ NO_KV = "none"  # no KV-cache compression
 
 @dataclass(frozen=True)
 class Projected:
-    """One projected model of dimpo.downstream, for every dimpo model: Table 1's fit of
-    ``objective`` at ``d_prime`` (its first setting, fit seed ``seed``) on the last
-    ``num_projected`` layers, with the KV compression ``kv`` (a name of dimpo.downstream.kv, or
-    "none"). The base model is objective "base", d' 0, l 0, seed 0."""
+    """One projected model of dimpo.downstream: the fit of ``objective`` at ``d_prime`` with
+    ``setting`` (Table 1's first, or a setting of the study ``study``: dimpo.downstream.studies)
+    and fit seed ``seed``, on the last ``num_projected`` layers, with the KV compression ``kv`` (a
+    name of dimpo.downstream.kv, or "none"). The base model is objective "base", d' 0, l 0,
+    seed 0, setting "default"."""
 
     objective: str
     d_prime: int
     num_projected: int
     kv: str
     seed: int = 0
+    setting: str = DEFAULT_SETTING
+    study: str = MAIN_STUDY
 
 
 class ConfigError(ValueError):
@@ -262,6 +265,11 @@ class Plan:
             return "hub"
         return "recall" if self.runs[spec["run"]].synthetic else "text"
 
+    def dimpo_layers(self, model: str) -> int | None:
+        """The layers of a dimpo model of ours; None for a hub model (known once it loads)."""
+        spec = self.dimpo_models[model]
+        return self.runs[spec["run"]].model["num_hidden_layers"] if "run" in spec else None
+
     def dimpo_run_dataset(self, model: str) -> str:
         """The corpus a dimpo model of ours was trained on (a recall run's: its capture and probe)."""
         return self.runs[self.dimpo_models[model]["run"]].dataset
@@ -288,8 +296,9 @@ class Plan:
         own_cache = "run" in spec and self.runs[spec["run"]].model["attention"] != "vanilla"
         generative = self.dimpo_probe(model) != "text" and not own_cache
         kvs = [{"name": NO_KV}] + (ds["kv"] if generative else [])
-        return [Projected(BASE_OBJECTIVE, 0, 0, kv["name"]) for kv in kvs] + [
-            Projected(objective, d, l, kv["name"], seed)
+        main = setting_name(self.dimpo["settings"][0])
+        projected = [Projected(BASE_OBJECTIVE, 0, 0, kv["name"]) for kv in kvs] + [
+            Projected(objective, d, l, kv["name"], seed, main)
             for objective in ds["objectives"]
             for d in ds["d_prime"]
             for l in self.num_projected(model)
@@ -297,6 +306,19 @@ class Plan:
             for seed in self.dimpo["seeds"]
             if objective in kv.get("objectives", [objective]) and l in kv.get("num_projected", [l])
         ]
+        for entry in ds["studies"]:  # e.g. Table 6's settings at the depth of its RULER column
+            study = self.dimpo["ablations"][entry["study"]]
+            if model not in entry.get("models", self.study_models(entry["study"])):
+                continue
+            projected += [
+                Projected(objective, d, l, NO_KV, seed, setting_name(overrides), entry["study"])
+                for overrides in study["settings"]
+                for objective in study["objectives"]
+                for d in study["d_prime"]
+                for l in entry["num_projected"]
+                for seed in self.dimpo["seeds"]
+            ]
+        return projected
 
     @property
     def dimpo_projected(self) -> list[Projected]:
@@ -515,6 +537,19 @@ def _check_downstream(p: Plan) -> None:
         raise ConfigError("dimpo.downstream.metadata.max_seq_lengths",
                           f"RULER tasks ({ruler[0]}, ...) need lengths of at least {RULER_MIN_LENGTH}, got "
                           f"{ds['metadata'].get('max_seq_lengths')}: shorter, ruler_vt never ends")
+    for i, entry in enumerate(ds["studies"]):
+        key = f"dimpo.downstream.studies[{i}]"
+        if entry["study"] not in p.dimpo["ablations"]:
+            raise ConfigError(f"{key}.study", f"{entry['study']!r} is not a study of dimpo.ablations "
+                                              f"({sorted(p.dimpo['ablations'])})")
+        fitted = p.study_models(entry["study"])
+        for model in entry.get("models", fitted):
+            if model not in fitted:
+                raise ConfigError(f"{key}.models", f"{model!r} is not fitted in {entry['study']!r} ({fitted})")
+            layers = p.dimpo_layers(model)
+            deep = [l for l in entry["num_projected"] if layers is not None and l > layers]
+            if deep:
+                raise ConfigError(f"{key}.num_projected", f"l={deep[0]} exceeds the {layers} layers of {model!r}")
     names = [k["name"] for k in ds["kv"]]
     for i, spec in enumerate(ds["kv"]):
         key = f"dimpo.downstream.kv[{i}]"

@@ -102,15 +102,14 @@ def dimpo_model_source(wildcards):
 
 
 def projected_input(wildcards):
-    """The projection a projected model applies: Table 1's fit (its first setting) with the
-    model's fit seed; none for the base model."""
+    """The projection a projected model applies: the fit of its setting with the model's fit
+    seed; none for the base model."""
     if wildcards.objective == sweeps.BASE_OBJECTIVE:
         return []
-    setting = sweeps.setting_name(PLAN.dimpo["settings"][0])
     return paths.projection(
         wildcards.model,
         wildcards.objective,
-        setting,
+        wildcards.setting,
         wildcards.d_prime,
         wildcards.seed,
     )
@@ -139,12 +138,21 @@ def projected_recall_tokens(wildcards):
     return [paths.tokens(PLAN.dimpo_run_dataset(wildcards.model), "test")]
 
 
+def downstream_studies():
+    """{downstream JSON: [study, ...]}: every projected model of every dimpo model, with the
+    studies (Table 1's, dimpo.downstream.studies) it is scored for."""
+    studies = {}
+    for model in PLAN.dimpo_models:
+        for p in PLAN.projected(model):
+            path = paths.downstream(
+                model, p.objective, p.setting, p.d_prime, p.num_projected, p.kv, p.seed
+            )
+            studies.setdefault(path, []).append(p.study)
+    return studies
+
+
 def downstream_files():
-    return [
-        paths.downstream(model, p.objective, p.d_prime, p.num_projected, p.kv, p.seed)
-        for model in PLAN.dimpo_models
-        for p in PLAN.projected(model)
-    ]
+    return list(downstream_studies())
 
 
 # --- raw outputs, by what reads them -----------------------------------------------------------

@@ -99,16 +99,27 @@ rule project_model:
     output:
         directory(
             paths.projected_model(
-                "{model}", "{objective}", "{d_prime}", "{l}", "{kv}", "{seed}"
+                "{model}",
+                "{objective}",
+                "{setting}",
+                "{d_prime}",
+                "{l}",
+                "{kv}",
+                "{seed}",
             )
         ),
     log:
-        paths.log("dimpo", "project_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}"),
+        paths.log(
+            "dimpo",
+            "project_{model}_{objective}_{setting}_d{d_prime}_l{l}_{kv}_s{seed}",
+        ),
     benchmark:
         paths.bench(
-            "project_model", "project_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}"
+            "project_model",
+            "project_{model}_{objective}_{setting}_d{d_prime}_l{l}_{kv}_s{seed}",
         )
     wildcard_constraints:
+        setting=r"[^/]+",
         d_prime=r"\d+",
         l=r"\d+",
         seed=r"\d+",
@@ -129,20 +140,26 @@ rule project_model:
 rule score_projected:
     input:
         model=paths.projected_model(
-            "{model}", "{objective}", "{d_prime}", "{l}", "{kv}", "{seed}"
+            "{model}", "{objective}", "{setting}", "{d_prime}", "{l}", "{kv}", "{seed}"
         ),
         tokens=projected_tokens,
         recall=projected_recall_tokens,
         lm_eval_data=lm_eval_data_files(),
     output:
-        paths.downstream("{model}", "{objective}", "{d_prime}", "{l}", "{kv}", "{seed}"),
+        paths.downstream(
+            "{model}", "{objective}", "{setting}", "{d_prime}", "{l}", "{kv}", "{seed}"
+        ),
     log:
-        paths.log("dimpo", "score_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}"),
+        paths.log(
+            "dimpo", "score_{model}_{objective}_{setting}_d{d_prime}_l{l}_{kv}_s{seed}"
+        ),
     benchmark:
         paths.bench(
-            "score_projected", "score_{model}_{objective}_d{d_prime}_l{l}_{kv}_s{seed}"
+            "score_projected",
+            "score_{model}_{objective}_{setting}_d{d_prime}_l{l}_{kv}_s{seed}",
         )
     wildcard_constraints:
+        setting=r"[^/]+",
         d_prime=r"\d+",
         l=r"\d+",
         seed=r"\d+",

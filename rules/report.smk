@@ -132,6 +132,8 @@ rule summarize_downstream:
     resources:
         runtime=5,
         mem_mb=1000,
+    params:
+        studies=downstream_studies(),
     script:
         "../workflow_scripts/summarize.py"
 

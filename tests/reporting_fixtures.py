@@ -255,7 +255,8 @@ def write_downstream_jsons(root: Path, seeds=(0,)) -> list[Path]:
             continue
         acc, ppl = acc0 + 0.01 * seed, ppl0 + seed
         record = {
-            "model": "tiny_vanilla_d128", "objective": objective, "d_prime": 0 if objective == "base" else 8,
+            "model": "tiny_vanilla_d128", "objective": objective, "setting": "default",
+            "d_prime": 0 if objective == "base" else 8,
             "num_projected": l, "n_layers": 4, "scale": "d_prime", "kv": "none", "kv_method": "none", "kv_level": 0,
             "seed": seed,
             "perplexity": {"shakespeare": {"ppl": ppl, "loss": math.log(ppl), "n_tokens": 1000}},
@@ -283,7 +284,8 @@ N_BIN = (30, 10)  # queries per bin: the overall accuracy weighs them
 
 def _record(model, objective, l, kv, seed, n_layers=2):
     method, level = KV[kv]
-    return {"model": model, "objective": objective, "d_prime": 0 if objective == "base" else 4, "num_projected": l,
+    return {"model": model, "objective": objective, "setting": "default", "d_prime": 0 if objective == "base" else 4,
+            "num_projected": l,
             "n_layers": n_layers, "scale": "d_prime", "kv": kv, "kv_method": method, "kv_level": level, "seed": seed,
             "perplexity": {}, "recall": {}, "results": {}, "num_fewshot": {}}  # fmt: skip
 

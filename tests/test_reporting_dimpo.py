@@ -107,11 +107,12 @@ def test_ablation_table_puts_table6_kl_beside_ours(studies):
     k0 = table_line(tex, "DimPO ($k{=}0$, $\\lambda{=}0$)")
     ours = fid[(fid["study"] == "table6") & (fid["setting"] == "k=0,lam=0")].groupby("seed")["kl"].mean().mean()
     cells = [c.strip() for c in k0.rstrip(" \\").split("&")]
-    assert cells[1].startswith(f"{ours:.3g}") and cells[2:] == ["0.74", "0.73"]  # Table 6, as printed
-    assert [c.strip() for c in table_line(tex, "DimPO ($k{=}64$, $\\lambda{=}2$)").rstrip(" \\").split("&")][2:] == [
+    # Table 6, as printed: KL and RULER 4k of Llama-3.1-8B and Qwen3-4B
+    assert cells[1].startswith(f"{ours:.3g}") and cells[2:] == ["0.74", "0.73", "35.6", "63.4"]
+    assert [c.strip() for c in table_line(tex, "DimPO ($k{=}64$, $\\lambda{=}2$)").rstrip(" \\").split("&")][2:4] == [
         "0.56", "0.54"]
     # Table 1's KL fit at the same d' is the KL row, with the paper's KL beside; no paper row for k = 64, lambda = 1.5.
-    assert [c.strip() for c in table_line(tex, "KL &").rstrip(" \\").split("&")][2:] == ["0.26", "0.27"]
+    assert [c.strip() for c in table_line(tex, "KL &").rstrip(" \\").split("&")][2:] == ["0.26", "0.27", "38.9", "50.2"]
     assert r"$d'{=}16$" in tex
 
 
@@ -127,3 +128,31 @@ def test_pairs_figure_names_a_setting_without_its_x(tmp_path):
                                  studies={str(p): [["figure4a", 0]] for p in csvs})  # fmt: skip
     with pytest.raises(ValueError, match=r"figure4a: setting\(s\) \['pair_mode=all'\] do not set num_sampled_keys"):
         outputs.render(["figures/dimpo_pairs.png"], summary, REFERENCE, tmp_path)
+
+
+def test_ablation_table_adds_the_projected_models_long_context_average(tmp_path):
+    """Table 6's RULER column at our scale: the recall probe of each (k, lambda) projected on the
+    last l layers (dimpo.downstream.studies), beside the KL."""
+    import json
+
+    summary = tmp_path / "summary"
+    write_fidelity_summary(tmp_path, summary, seeds=(0, 1))
+    jsons, studies = [], {}
+    for setting, acc in (("k=0,lam=0", 0.40), ("k=64,lam=1", 0.60)):
+        for seed in (0, 1):
+            record = {"model": "tiny-vanilla", "objective": "dimpo", "setting": setting, "d_prime": 16,
+                      "num_projected": 2, "n_layers": 4, "scale": "d_prime", "kv": "none", "kv_method": "none",
+                      "kv_level": 0, "seed": seed, "perplexity": {}, "results": {}, "num_fewshot": {},
+                      "recall": {"recall": {"accuracy": acc + 0.02 * seed, "n_queries": 10, "by_distance": []}}}
+            path = tmp_path / f"{setting}-{seed}.json"
+            path.write_text(json.dumps(record))
+            jsons.append(path)
+            studies[str(path)] = ["table6"]
+    summaries.summarize_downstream(jsons, summary_path(summary, "dimpo_downstream"), studies=studies)
+    (table,) = outputs.render(["tables/dimpo_ablation.tex"], summary, REFERENCE, tmp_path)
+    tex = table.read_text()
+    assert r"ours: tiny-vanilla, recall avg (\%), $l{=}2$" in tex
+    k0 = [c.strip() for c in table_line(tex, "DimPO ($k{=}0$, $\\lambda{=}0$)").rstrip(" \\").split("&")]
+    assert r"41.0 {\scriptsize[40.0, 42.0]}" in k0
+    k64 = [c.strip() for c in table_line(tex, "DimPO ($k{=}64$, $\\lambda{=}1$)").rstrip(" \\").split("&")]
+    assert r"61.0 {\scriptsize[60.0, 62.0]}" in k64 and k64[-2:] == ["52.4", "65.9"]  # the paper's RULER 4k

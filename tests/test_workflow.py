@@ -265,7 +265,7 @@ def test_model_directory_with_lm_eval_cli(smoke, tmp_path):
 
 def test_projected_model_directory_with_lm_eval_cli(smoke, tmp_path):
     """A projected model directory of the smoke run, through lm-eval's own CLI and `hf` model."""
-    model = "results/dimpo/tiny-vanilla/projected/kl-d4-l2-none-s0"
+    model = "results/dimpo/tiny-vanilla/projected/kl/default/d4-l2-none-s0"
     out = subprocess.run(
         [str(BIN / "lm_eval"), "--model", "hf", "--model_args", f"pretrained={model},trust_remote_code=True",
          "--tasks", "dimattn_next_line", "--include_path", str(REPO / "dimattn/lm_eval_tasks"),
@@ -275,9 +275,25 @@ def test_projected_model_directory_with_lm_eval_cli(smoke, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     # The workflow's own score of that directory (score_projected, the same lm-eval model) agrees.
-    ours = json.loads((smoke / "results/dimpo/tiny-vanilla/downstream/kl-d4-l2-none-s0.json").read_text())
+    ours = json.loads((smoke / "results/dimpo/tiny-vanilla/downstream/kl/default/d4-l2-none-s0.json").read_text())
     assert results["dimattn_next_line"]["acc,none"] == ours["results"]["dimattn_next_line"]["acc,none"]
     assert ours["num_projected"] == 2 and ours["n_layers"] == 2 and "shakespeare" in ours["perplexity"]
+
+
+def test_the_recall_probe_scores_projected_models_through_the_compressed_cache(smoke):
+    """recall-vanilla's projected models: the probe per distance bin, decoded through SnapKV's and
+    KIVI's caches (Table 5); Table 6's settings projected too; the tables that read them."""
+    root = smoke / "results/dimpo/recall-vanilla/downstream"
+    for kv in ("none", "kivi2", "snapkv48"):
+        record = json.loads((root / f"kl/default/d4-l2-{kv}-s0.json").read_text())
+        probe = record["recall"]["recall"]
+        assert probe["prefill"] == 64 and probe["n_queries"] == 64 * 8 and len(probe["by_distance"]) == 4
+        assert record["kv_method"] == kv.rstrip("0123456789") and not record["results"]
+    assert sorted(p.name for p in (root / "dimpo").iterdir()) == ["k=0,lam=0", "k=8,lam=1"]  # Table 6's settings
+    ablation = (smoke / "results/tables/dimpo_ablation.tex").read_text()
+    assert r"ours: recall-vanilla, recall avg (\%), $l{=}2$" in ablation
+    for table in ("dimpo_ruler.tex", "dimpo_kv.tex"):
+        assert "recall-vanilla" in (smoke / "results/tables" / table).read_text()
 
 
 def test_rerun_is_a_no_op(smoke):

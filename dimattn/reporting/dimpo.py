@@ -302,9 +302,31 @@ def quirks_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pat
                                cell.note())  # fmt: skip
 
 
+def _table6_long_context(downstream: pd.DataFrame | None, d_primes) -> tuple[pd.DataFrame, list]:
+    """Table 6's RULER column at our scale: the long-context average (dimpo_downstream: RULER, or
+    the recall probe) of the projected models of study ``table6``, and of Table 1's KL and DimPO
+    + KL at its d' and l, per (model, objective, setting, d'); with the [(model, probe, l)] shown."""
+    from .dimpo_downstream import AVERAGE, long_context
+
+    if downstream is None:
+        return pd.DataFrame(), []
+    scores = long_context(downstream)
+    scores = scores[(scores["column"] == AVERAGE) & (scores["kv"] == "none")]
+    ablation = scores[scores["study"] == "table6"]
+    shown = list(dict.fromkeys(zip(ablation["model"], ablation["probe"], ablation["num_projected"])))
+    main = scores[(scores["study"] == MAIN_STUDY) & scores["objective"].isin(["kl", "dimpo_kl"])
+                  & scores["d_prime"].isin(d_primes)]  # fmt: skip
+    main = main[[(m, p, l) in shown for m, p, l in zip(main["model"], main["probe"], main["num_projected"])]]
+    both = pd.concat([ablation, main], ignore_index=True)
+    keys = ["model", "probe", "objective", "setting", "d_prime", "num_projected"]
+    return aggregate(both, ["value"], keys), shown
+
+
 def ablation_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
-    """Seed 003 Table 6's KL column: DimPO per (k, lambda) (study ``table6``), with Table 1's KL
-    and DimPO + KL fits at the same d' where fitted; the paper's KL at d' = 64 of both models beside."""
+    """Seed 003 Table 6: DimPO per (k, lambda) (study ``table6``), with Table 1's KL and DimPO +
+    KL fits at the same d' where fitted: their attention KL, and where dimpo.downstream.studies
+    projects them, the long-context average of the projected model (Table 6's RULER 4k column;
+    ours: the recall probe at CPU scale); the paper's at d' = 64 of both models beside."""
     fid = frames["dimpo_fidelity"]
     ours = _means(fid, "table6")
     d_primes = sorted(ours["d_prime"].unique())
@@ -313,13 +335,19 @@ def ablation_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: P
         main = _means(fid, MAIN_STUDY)
         extra = [main[main["objective"].isin(["kl", "dimpo_kl"]) & main["d_prime"].isin(d_primes)]]
     means = pd.concat([ours, *extra], ignore_index=True)
+    long, shown = _table6_long_context(frames.get("dimpo_downstream"), d_primes)
     ref = paper.dimpo_table6(reference_dir)
-    cell = SpreadCells(seed_counts(means))
+    cell = SpreadCells(seed_counts(means, long if len(long) else None))
     models = list(dict.fromkeys(zip(means["model"], means["head_dim"])))
     groups = [
-        {"title": Tex(latex.escape(f"ours: {m}, d = {int(h)}")), "columns": [Tex(rf"$d'{{=}}{int(d)}$") for d in d_primes]}
+        {"title": Tex(latex.escape(f"ours: {m}, d = {int(h)}, KL")), "columns": [Tex(rf"$d'{{=}}{int(d)}$") for d in d_primes]}
         for m, h in models
-    ] + [{"title": Tex(r"paper, $d'{=}64$ of $d{=}128$"), "columns": [Tex("Llama-3.1-8B"), Tex("Qwen3-4B")]}]
+    ] + [
+        {"title": Tex(latex.escape(f"ours: {m}, {probe} avg (%), ") + rf"$l{{=}}{int(l)}$"),
+         "columns": [Tex(rf"$d'{{=}}{int(d)}$") for d in d_primes]}
+        for m, probe, l in shown
+    ] + [{"title": Tex(r"paper, $d'{=}64$ of $d{=}128$: KL"), "columns": [Tex("Llama-3.1-8B"), Tex("Qwen3-4B")]},
+         {"title": Tex(r"paper: RULER 4k (\%)"), "columns": [Tex("Llama-3.1-8B"), Tex("Qwen3-4B")]}]  # fmt: skip
     rows = []
     for (objective, setting), mine in means.groupby(["objective", "setting"], sort=False):
         cells = []
@@ -327,10 +355,16 @@ def ablation_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: P
             sel = mine[mine["model"] == model]
             by_d = {m.d_prime: m for _, m in sel.iterrows()}
             cells += [cell(spread(by_d[d], "kl"), fmt_sig) if d in by_d else MISSING for d in d_primes]
+        for model, probe, l in shown:
+            sel = long[(long["model"] == model) & (long["probe"] == probe) & (long["num_projected"] == l)
+                       & (long["objective"] == objective) & (long["setting"] == setting)]  # fmt: skip
+            by_d = {r["d_prime"]: spread(r, "value") for _, r in sel.iterrows()}
+            cells += [cell(by_d[d], lambda v: f"{v:.1f}") if d in by_d else MISSING for d in d_primes]
         parsed = parse_setting(setting) if setting else {}
         key = (int(parsed["k"]), float(parsed["lam"])) if {"k", "lam"} <= set(parsed) else None
         theirs = ref[(ref["objective"] == objective) & ref["setting"].map(lambda s, key=key: s == key)]
-        cells += [theirs.iloc[0][c] if len(theirs) else MISSING for c in ("llama31_8b_kl", "qwen3_4b_kl")]
+        columns = ("llama31_8b_kl", "qwen3_4b_kl", "llama31_8b_ruler_4k", "qwen3_4b_ruler_4k")
+        cells += [theirs.iloc[0][c] if len(theirs) else MISSING for c in columns]
         label = _label(objective, key) if key else Tex(
             latex.escape(OBJECTIVE_LABELS.get(objective, objective))
             + ("" if _blank(setting) else f" ({latex.escape(setting)})")
@@ -338,9 +372,10 @@ def ablation_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: P
         rows.append({"label": label, "cells": cells, "space": False})
     caption = (
         "Ablation of DimPO's head term: the attention KL of DimPO per top-k and head weight $\\lambda$ "
-        "(seed 003 Table 6's KL column), beside the KL and DimPO + KL objectives, mean over layers "
-        "(lower is better). The paper's key lists hold 4,096 keys, ours the capture's sequence length, so "
-        "a given k covers a larger share of ours."
+        "(seed 003 Table 6), beside the KL and DimPO + KL objectives, mean over layers "
+        "(lower is better); where projected downstream, the long-context average of the model with the projection "
+        "on its last $l$ layers (higher is better; ours at CPU scale: the recall probe). The paper's key lists hold "
+        "4,096 keys, ours the capture's sequence length, so a given k covers a larger share of ours."
     )
     return latex.grouped_table(path, "dimpo.ablation_table", groups, rows, Tex(caption), "dimpo_ablation",
                                "Objective", cell.note())  # fmt: skip

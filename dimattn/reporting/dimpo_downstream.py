@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..sweeps import BASE_OBJECTIVE, NO_KV, RULER_TASKS
+from ..sweeps import BASE_OBJECTIVE, MAIN_STUDY, NO_KV, RULER_TASKS
 from . import latex, paper, plots
 from .dimpo import OBJECTIVE_LABELS, _rank
 from .latex import MISSING, SpreadCells, Tex, fmt
@@ -45,9 +45,15 @@ def relative(df: pd.DataFrame) -> pd.DataFrame:
 POINT = ["model", "task", "metric", "objective", "d_prime", "kv", "num_projected", "n_layers", "share"]
 
 
+def main_study(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of Table 1's projections (Figures 2-3, Tables 2-5), not those of an ablation
+    study's (Table 6)."""
+    return df[df["study"] == MAIN_STUDY]
+
+
 def replicated(df: pd.DataFrame) -> pd.DataFrame:
     """:func:`relative` scores, one row per point over the fit seeds (``rel_spread``: a Spread)."""
-    return aggregate(relative(df), ["rel", "value"], POINT)
+    return aggregate(relative(main_study(df)), ["rel", "value"], POINT)
 
 
 def _panels(df: pd.DataFrame) -> list[tuple[str, str]]:
@@ -163,7 +169,7 @@ RULER_GROUPS = {
 }  # fmt: skip
 AVERAGE = "avg"
 RECALL_TASK = "recall:"
-SCORE_KEYS = ["model", "objective", "d_prime", "kv", "num_projected", "n_layers", "share", "seed"]
+SCORE_KEYS = ["study", "model", "objective", "setting", "d_prime", "kv", "num_projected", "n_layers", "share", "seed"]
 
 
 def long_context(df: pd.DataFrame) -> pd.DataFrame:
@@ -229,7 +235,7 @@ def subtask_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pa
     :func:`separating_l`), a row per objective, the paper's Tables 2 (Llama-3.1-8B, l = 20) and
     3 (Qwen3-4B, l = 24) beside. Ours: RULER at paper scale, the recall probe's distance bins at
     CPU scale; scores in percent, absolute, without KV compression."""
-    points = _probe_points(long_context(frames["dimpo_downstream"]))
+    points = _probe_points(long_context(main_study(frames["dimpo_downstream"])))
     points = points[points["kv"] == NO_KV]
     if points.empty:
         raise ValueError("the downstream summary has no long-context (RULER or recall probe) scores")
@@ -276,7 +282,7 @@ def kv_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -
     """Seed 003 Table 5: the long-context average with KV-cache compression (columns: none, KIVI
     by bits, SnapKV by budget, smallest first) and the projection on the last l layers (rows,
     l = 0 the base model); the paper's Llama-3.1-8B rows (DimPO, RULER 4k and 8k) below ours."""
-    df = frames["dimpo_downstream"]
+    df = main_study(frames["dimpo_downstream"])
     kinds = {r["kv"]: (r["kv_method"], int(r["kv_level"])) for _, r in df.drop_duplicates("kv").iterrows()}
     points = _probe_points(long_context(df))
     points = points[points["column"] == AVERAGE]

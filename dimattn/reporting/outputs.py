@@ -149,7 +149,8 @@ OUTPUTS: dict[str, Output] = {
         # Seed 003 (DimPO): Table 1, Table 6's KL column, Appendix B Figure 4, and the authors' quirks
         _output("DimPO", paths.table("dimpo_fidelity"), "dimpo:table", _study("table1"), ["dimpo_fidelity"]),
         _output("DimPO", paths.figure("dimpo_fidelity"), "dimpo:figure", _study("table1"), ["dimpo_fidelity"]),
-        _output("DimPO", paths.table("dimpo_ablation"), "dimpo:ablation_table", _study("table6"), ["dimpo_fidelity"]),
+        _output("DimPO", paths.table("dimpo_ablation"), "dimpo:ablation_table", _study("table6"),
+                ["dimpo_fidelity", "dimpo_downstream"], optional=["dimpo_downstream"]),
         _output("DimPO", paths.figure("dimpo_pairs"), "dimpo:pairs_figure", _study("figure4a", "figure4b", "figure4c"),
                 ["dimpo_fidelity"]),
         _output("DimPO", paths.table("dimpo_quirks"), "dimpo:quirks_table", _study("quirks"), ["dimpo_fidelity"]),

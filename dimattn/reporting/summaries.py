@@ -31,7 +31,7 @@ import pandas as pd
 from .. import variants
 from ..atomic import atomic_file
 from ..runs import run_metadata
-from ..sweeps import RULER_TASKS
+from ..sweeps import MAIN_STUDY, RULER_TASKS
 from .paper import OBJECTIVE_ORDER
 from .replicates import relative
 
@@ -42,7 +42,7 @@ FIDELITY_COLUMNS = ["model", "objective", "setting", "d_prime", "head_dim", "see
 # A projected model of dimpo.downstream (dimattn.sweeps.Projected); share = l / n_layers.
 # kv: the compression's name in dimpo.downstream.kv; kv_method and kv_level what it is (kivi and
 # its bits, snapkv and its budget; none and 0), so that Table 5 can be drawn from the CSV alone.
-DOWNSTREAM_FIELDS = ["model", "objective", "d_prime", "num_projected", "n_layers", "share", "scale", "kv",
+DOWNSTREAM_FIELDS = ["model", "objective", "setting", "d_prime", "num_projected", "n_layers", "share", "scale", "kv",
                      "kv_method", "kv_level", "seed"]
 COLUMNS = {
     "dar_perplexity": RUN_FIELDS + ["corpus", "ppl", "rel_to_vanilla", "vanilla_seed", "split", "n_tokens", "loss"],
@@ -51,7 +51,9 @@ COLUMNS = {
     "lm_eval": RUN_FIELDS + ["task", "metric", "value", "stderr"],
     "recall": RUN_FIELDS
     + ["corpus", "split", "scope", "bin", "min_distance", "max_distance", "accuracy", "n", "chance"],
-    "dimpo_downstream": DOWNSTREAM_FIELDS + ["task", "metric", "value", "stderr"],
+    # study: Table 1's (MAIN_STUDY: Figures 2-3, Tables 2-5) or one of dimpo.downstream.studies
+    # (table6: Table 6's RULER column); a model scored for two has rows in both.
+    "dimpo_downstream": ["study"] + DOWNSTREAM_FIELDS + ["task", "metric", "value", "stderr"],
     # study: dimattn.sweeps.MAIN_STUDY (Table 1) or a dimpo.ablations key; setting_order: the
     # setting's place in that study's list. A fit in two studies has rows in both.
     "dimpo_fidelity": ["study", "setting_order"] + FIDELITY_COLUMNS,
@@ -374,7 +376,6 @@ def summarize_fidelity(csvs: Iterable[os.PathLike | str], out_csv: os.PathLike |
     ``studies``: {csv path: [[study, setting_order], ...]} (rules/common.smk fidelity_studies);
     a CSV it does not list is Table 1's (dimattn.sweeps.MAIN_STUDY, order 0).
     """
-    from ..sweeps import MAIN_STUDY
 
     frames = []
     for path in csvs:
@@ -406,10 +407,13 @@ def recall_metrics(probe: dict) -> dict[str, float | None]:
     }
 
 
-def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
-    """Projected models' scores (dimattn.evaluation.score_projected), long: one row per (model,
-    objective, d', l, kv, task, metric); held-out perplexity as task "perplexity:<corpus>",
-    metric "ppl"; the recall probe as task "recall:<corpus>", metrics of :func:`recall_metrics`."""
+def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str,
+                         studies: dict[str, list[str]] | None = None) -> pd.DataFrame:  # fmt: skip
+    """Projected models' scores (dimattn.evaluation.score_projected), long: one row per (study,
+    model, objective, setting, d', l, kv, task, metric); held-out perplexity as task
+    "perplexity:<corpus>", metric "ppl"; the recall probe as task "recall:<corpus>", metrics of
+    :func:`recall_metrics`. ``studies``: {json path: [study, ...]} (rules/common.smk
+    downstream_studies); a path it does not list is Table 1's."""
     rows = []
     for path in jsons:
         record = json.loads(Path(path).read_text())
@@ -418,17 +422,19 @@ def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLik
             raise ValueError(f"{path}: not a score_projected record (lacks {missing or 'results/perplexity'})")
         fields = {k: record[k] for k in DOWNSTREAM_FIELDS if k != "share"}
         fields["share"] = record["num_projected"] / record["n_layers"]
-        for corpus, ppl in record["perplexity"].items():
-            rows.append(fields | {"task": f"perplexity:{corpus}", "metric": "ppl", "value": ppl["ppl"], "stderr": None})
+        scores = [{"task": f"perplexity:{corpus}", "metric": "ppl", "value": ppl["ppl"], "stderr": None}
+                  for corpus, ppl in record["perplexity"].items()]  # fmt: skip
         for corpus, probe in record.get("recall", {}).items():
-            rows += [fields | {"task": f"recall:{corpus}", "metric": metric, "value": value, "stderr": None}
-                     for metric, value in recall_metrics(probe).items()]
-        rows += [fields | row for row in _lm_eval_rows(record["results"])]
+            scores += [{"task": f"recall:{corpus}", "metric": metric, "value": value, "stderr": None}
+                       for metric, value in recall_metrics(probe).items()]  # fmt: skip
+        scores += _lm_eval_rows(record["results"])
+        for study in (studies or {}).get(str(path), [MAIN_STUDY]):
+            rows += [{"study": study} | fields | score for score in scores]
     if not rows:
         raise ValueError("summarize_downstream found no scores in its inputs")
     order = {o: i for i, o in enumerate(["base", *OBJECTIVE_ORDER])}
     df = _as_int(pd.DataFrame(rows)).sort_values(
-        ["model", "objective", "d_prime", "num_projected", "kv", "seed", "task", "metric"],
+        ["study", "model", "objective", "setting", "d_prime", "num_projected", "kv", "seed", "task", "metric"],
         key=lambda s: s.map(lambda o: order.get(o, len(order))) if s.name == "objective" else s, kind="stable",
     )
     df = df[COLUMNS["dimpo_downstream"]].reset_index(drop=True)
