@@ -187,6 +187,15 @@ BAD = {
         "dimpo.downstream.objectives: 'kl' is not fitted for 'recall-vanilla' (dimpo.models[1].objectives"),
     "a model's d_prime > its head_dim": (lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"d_prime": [64]}),
                                          "dimpo.models[1].d_prime: 64 exceeds the head dimension 32"),
+    "downstream study unknown": (lambda c: downstream(c, studies=[{"study": "table7", "num_projected": [2]}]),
+                                 "dimpo.downstream.studies[0].study"),
+    "downstream study too deep": (lambda c: downstream(c, studies=[{"study": "quirks", "num_projected": [9]}]),
+                                  "dimpo.downstream.studies[0].num_projected: l=9 exceeds the 4 layers"),
+    "downstream study of a model it does not fit": (
+        lambda c: (c["dimpo"]["models"].append(RECALL_MODEL), c["dimpo"]["ablations"]["quirks"].update(
+            models=["tiny-vanilla"]), downstream(c, num_projected=[1], studies=[
+                {"study": "quirks", "num_projected": [1], "models": ["recall-vanilla"]}])),
+        "dimpo.downstream.studies[0].models: 'recall-vanilla' is not fitted in 'quirks'"),
     "ablation of an unknown model": (lambda c: c["dimpo"]["ablations"]["quirks"].update(models=["gpt"]),
                                      "dimpo.ablations.quirks.models"),
     "downstream unknown scale": (lambda c: downstream(c, scale="sqrt"), "sqrt"),
@@ -344,3 +353,14 @@ def test_a_dar_model_is_projected_without_kv_compression():
     assert {p.kv for p in plan.projected("recall-vanilla")} == {"none", "kivi2"}
     # DAR keeps its latent cache (DimAttnCache): the projection composes, KV compression does not
     assert {p.kv for p in plan.projected("recall-dar")} == {"none"} and plan.dimpo_probe("recall-dar") == "recall"
+
+
+def test_a_downstream_study_projects_each_of_its_settings():
+    plan = plan_of(mutated(lambda c: downstream(c, studies=[{"study": "quirks", "num_projected": [4]}])))
+    quirks = [p for p in plan.projected("tiny-vanilla") if p.study == "quirks"]
+    settings = plan.dimpo["ablations"]["quirks"]["settings"]
+    assert len(quirks) == len(settings) and {p.num_projected for p in quirks} == {4}
+    assert {p.setting for p in quirks} == {sweeps.setting_name(s) for s in settings}
+    assert {p.kv for p in quirks} == {"none"} and all(p.objective == "dimpo" for p in quirks)
+    main = [p for p in plan.projected("tiny-vanilla") if p.study == "table1" and p.objective != "base"]
+    assert {p.setting for p in main} == {"default"}  # Table 1's first setting
