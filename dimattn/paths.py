@@ -118,6 +118,11 @@ def projected_model(model: str, objective: str, setting: str, d_prime, num_proje
     return f"{DIMPO}/{model}/projected/{objective}/{setting}/d{d_prime}-l{num_projected}-{kv}-s{seed}"
 
 
+def latency(model: str) -> str:
+    """Prefill and decoding latency, cache and peak memory of a dimpo model's settings (Appendix H)."""
+    return f"{DIMPO}/{model}/latency.json"
+
+
 def downstream(model: str, objective: str, setting: str, d_prime, num_projected, kv: str, seed) -> str:
     """Perplexity, recall-probe and lm-eval scores of a projected model."""
     return f"{DIMPO}/{model}/downstream/{objective}/{setting}/d{d_prime}-l{num_projected}-{kv}-s{seed}.json"

@@ -439,7 +439,7 @@ def predict_through_cache(model, examples: np.ndarray, queries: np.ndarray, pref
         steps = [out.logits.argmax(-1)]
         for t in range(prefill, length - 1):  # the last token predicts nothing scored
             out = model(input_ids=x[:, t : t + 1], position_ids=positions[:, t : t + 1],
-                        past_key_values=out.past_key_values, use_cache=True)  # fmt: skip
+                        cache=out.past_key_values, use_cache=True)  # fmt: skip
             steps.append(out.logits.argmax(-1))
         return torch.cat(steps, dim=1)  # (b, L - 1)
 

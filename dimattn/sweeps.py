@@ -69,6 +69,8 @@ RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey
                "niah_multikey_3", "niah_multiquery", "niah_multivalue", "ruler_vt", "ruler_cwe", "ruler_fwe",
                "ruler_qa_squad", "ruler_qa_hotpot")  # fmt: skip
 RULER_MIN_LENGTH = 2048
+# dimpo.latency's settings where a config sets it (Appendix H's timing; see the schema)
+LATENCY_DEFAULTS = {"prompt": 1024, "new": 32, "repeats": 3}
 # Runs DimPO can project: vanilla, and DAR or uniform, whose far keys F projects too (both
 # reductions composed, dimattn.modeling_projected); a sliding window drops keys F never sees.
 PROJECTABLE = ("vanilla", "dar", "uniform")
@@ -231,7 +233,8 @@ class Plan:
         ruler = any(t["name"] in RULER_TASKS for t in self.downstream["tasks"])
         long = [m for m in self.dimpo_models if self.dimpo_probe(m) == "recall" or (ruler and self.dimpo_probe(m) == "hub")]
         kv = any(p.kv != NO_KV for m in long for p in self.projected(m))
-        return studies + ("downstream",) + (("long_context",) if long else ()) + (("kv",) if kv else ())
+        return (studies + ("downstream",) + (("long_context",) if long else ()) + (("kv",) if kv else ())
+                + (("latency",) if self.latency_models else ()))
 
     @property
     def downstream(self) -> dict:
@@ -319,6 +322,28 @@ class Plan:
                 for seed in self.dimpo["seeds"]
             ]
         return projected
+
+    @property
+    def latency(self) -> dict | None:
+        """dimpo.latency with its defaults; None when not measured."""
+        given = self.dimpo.get("latency")
+        return None if given is None else LATENCY_DEFAULTS | given
+
+    @property
+    def latency_models(self) -> list[str]:
+        """The dimpo models whose latency is measured (dimpo.latency): those with a plain KV
+        cache, which SnapKV compresses, once Table 1's projections are applied downstream."""
+        if self.latency is None or not self.downstream["objectives"]:
+            return []
+        return [m for m, spec in self.dimpo_models.items()
+                if "hub" in spec or self.runs[spec["run"]].model["attention"] == "vanilla"]  # fmt: skip
+
+    def latency_projection(self, model: str) -> tuple[str, str, int, int]:
+        """(objective, setting, d', seed) of the fit the latency job applies: Table 1's DimPO (or
+        the first downstream objective) at the first downstream d' and the first fit seed."""
+        objectives = self.downstream["objectives"]
+        objective = "dimpo" if "dimpo" in objectives else objectives[0]
+        return objective, setting_name(self.dimpo["settings"][0]), self.downstream["d_prime"][0], self.dimpo["seeds"][0]
 
     @property
     def dimpo_projected(self) -> list[Projected]:

@@ -115,6 +115,16 @@ def projected_input(wildcards):
     )
 
 
+def latency_projection(wildcards):
+    """The fitted projection a latency job applies (PLAN.latency_projection)."""
+    objective, setting, d_prime, seed = PLAN.latency_projection(wildcards.model)
+    return paths.projection(wildcards.model, objective, setting, d_prime, seed)
+
+
+def latency_files():
+    return [paths.latency(model) for model in PLAN.latency_models]
+
+
 def capture_documents(wildcards):
     """What a dimpo model is captured on: dimpo.dataset's text, or a recall run's own corpus."""
     split = "validation" if wildcards.purpose == "fit" else "test"

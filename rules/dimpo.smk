@@ -190,3 +190,30 @@ rule score_projected:
         device=PLAN.config["device"],
     script:
         "../workflow_scripts/score_projected.py"
+
+
+# Seed 003 Appendix H: one job a model, on every core, so that nothing runs beside it while it
+# times (on SLURM: an exclusive node, profiles/slurm).
+rule latency:
+    input:
+        model=dimpo_model_dir,
+        projections=latency_projection,
+    output:
+        paths.latency("{model}"),
+    log:
+        paths.log("dimpo", "latency_{model}"),
+    benchmark:
+        paths.bench("latency", "latency_{model}")
+    conda:
+        "../envs/torch.yaml"
+    threads: workflow.cores
+    resources:
+        runtime=dimpo_resource("runtime"),
+        mem_mb=dimpo_resource("mem_mb"),
+        gpu=gpu_count(),
+    params:
+        source=dimpo_model_source,
+        latency=PLAN.latency,
+        device=PLAN.config["device"],
+    script:
+        "../workflow_scripts/latency.py"

@@ -138,6 +138,25 @@ rule summarize_downstream:
         "../workflow_scripts/summarize.py"
 
 
+rule summarize_latency:
+    input:
+        latency_files(),
+    output:
+        paths.summary("dimpo_latency"),
+    log:
+        paths.log("report", "summarize_latency"),
+    benchmark:
+        paths.bench("summarize_latency", "summarize_latency")
+    conda:
+        "../envs/report.yaml"
+    threads: 1
+    resources:
+        runtime=5,
+        mem_mb=1000,
+    script:
+        "../workflow_scripts/summarize.py"
+
+
 # render_dar, render_baselines, render_recall, render_lm_eval, render_dimpo: each declares
 # exactly the category's wanted outputs and reads the summaries they need.
 for category, names in outputs.by_category(REPORTED).items():

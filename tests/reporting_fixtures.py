@@ -315,6 +315,22 @@ def write_long_context_jsons(root: Path, seeds=(0, 1)) -> list[Path]:
 
 
 
+def write_latency_json(root: Path) -> Path:
+    """dimattn.latency rows of one model: fixed times, the cache of DimPO at d' = d / 4."""
+    rows = []
+    for i, (setting, l, kv, cache) in enumerate([("base", 0, "none", 1.0), ("snapkv", 0, "snapkv", 0.25),
+                                                ("dimpo l=4", 4, "none", 0.625)]):  # fmt: skip
+        rows.append({"model": "tiny_vanilla_d128", "d_prime": 8, "setting": setting, "num_projected": l, "kv": kv,
+                     "device": "cpu", "dtype": "float32", "prompt": 1024, "new": 32, "repeats": 3,
+                     "prefill_s": 0.1 + 0.01 * i, "decode_s": 0.01, "tokens_per_s": 100.0,
+                     "cache_bytes": 2**20 * cache, "peak_bytes": 2**24 + 2**20 * cache, "peak_kind": "weights_plus_cache",
+                     "prefill_ratio": 1 + 0.1 * i, "decode_ratio": 1.0, "cache_ratio": cache, "peak_ratio": 1.0})  # fmt: skip
+    path = root / "latency" / "tiny.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows))
+    return path
+
+
 def write_summaries(root: Path) -> Path:
     """The small sweep's perplexity, trajectory, lm-eval and fidelity summaries."""
     summary = root / "summary"

@@ -14,6 +14,7 @@ from reporting_fixtures import (
     write_fidelity_csvs,
     write_fidelity_summary,
     write_full_summaries,
+    write_latency_json,
     write_long_context_jsons,
     write_summaries,
 )
@@ -40,7 +41,7 @@ def wanted(runs, lm_eval=False, dimpo=()):
     return set(outputs.wanted(runs, lm_eval, dimpo))
 
 
-ALL_STUDIES = ("table1", *STUDIES, "downstream", "long_context", "kv")
+ALL_STUDIES = ("table1", *STUDIES, "downstream", "long_context", "kv", "latency")
 
 
 VANILLA = run("vanilla")
@@ -127,13 +128,14 @@ def test_recall_lm_eval_and_dimpo_outputs():
     assert wanted([], dimpo=["table1", "quirks"]) == dimpo | {"tables/dimpo_quirks.tex"}
     assert wanted([], dimpo=["table1", "table6"]) == dimpo | {"tables/dimpo_ablation.tex"}
     assert wanted([], dimpo=["table1", "figure4c"]) == dimpo | {"figures/dimpo_pairs.png"}
-    assert wanted([], dimpo=ALL_STUDIES[:-3]) == wanted([], dimpo=["table1", "quirks", "table6", "figure4b"])
+    assert wanted([], dimpo=ALL_STUDIES[:-4]) == wanted([], dimpo=["table1", "quirks", "table6", "figure4b"])
     assert wanted([], dimpo=["table1", "downstream"]) == dimpo | {"tables/dimpo_downstream.tex",
                                                                  "figures/dimpo_downstream.png"}
     # Tables 2-3 with a long-context probe (recall or RULER), Table 5 with KV compression on it
     assert wanted([], dimpo=["table1", "downstream", "long_context"]) - wanted([], dimpo=["table1", "downstream"]) == {
         "tables/dimpo_ruler.tex"}
-    assert wanted([], dimpo=ALL_STUDIES) - wanted([], dimpo=ALL_STUDIES[:-1]) == {"tables/dimpo_kv.tex"}
+    assert wanted([], dimpo=ALL_STUDIES[:-1]) - wanted([], dimpo=ALL_STUDIES[:-2]) == {"tables/dimpo_kv.tex"}
+    assert wanted([], dimpo=ALL_STUDIES) - wanted([], dimpo=ALL_STUDIES[:-1]) == {"tables/dimpo_latency.tex"}
 
 
 def test_replicates_count_once():
@@ -178,6 +180,7 @@ def full(tmp_path_factory):
     write_fidelity_summary(root, summary)
     jsons = write_downstream_jsons(root) + write_long_context_jsons(root)
     summaries.summarize_downstream(jsons, summary_path(summary, "dimpo_downstream"))
+    summaries.summarize_latency([write_latency_json(root)], summary_path(summary, "dimpo_latency"))
     return root, summary
 
 

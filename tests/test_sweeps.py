@@ -364,3 +364,18 @@ def test_a_downstream_study_projects_each_of_its_settings():
     assert {p.kv for p in quirks} == {"none"} and all(p.objective == "dimpo" for p in quirks)
     main = [p for p in plan.projected("tiny-vanilla") if p.study == "table1" and p.objective != "base"]
     assert {p.setting for p in main} == {"default"}  # Table 1's first setting
+
+
+def test_latency_is_measured_on_models_with_a_plain_kv_cache():
+    def add(c):
+        downstream(c, objectives=["kl", "dimpo"], num_projected=[1, 2])
+        c["dimpo"]["latency"] = {"prompt": 64}
+        c["dimpo"]["models"] += [RECALL_MODEL, {"name": "recall-dar", "run": "recall-dar-w4-d8",
+                                                "capture": {"seq_len": 64}, "num_projected": [1, 2]}]  # fmt: skip
+        c["dimpo"]["ablations"]["quirks"]["models"] = ["tiny-vanilla"]
+
+    plan = plan_of(mutated(add))
+    assert plan.latency_models == ["tiny-vanilla", "recall-vanilla"]  # DAR keeps its latent cache
+    assert plan.latency == {"prompt": 64, "new": 32, "repeats": 3}  # with the defaults
+    assert plan.latency_projection("tiny-vanilla") == ("dimpo", "default", 4, 0) and "latency" in plan.dimpo_studies
+    assert plan_of(mutated(lambda c: downstream(c))).latency_models == []  # dimpo.latency null: not measured

@@ -12,6 +12,7 @@ with logged(snakemake):
         "summarize_recall": summaries.summarize_recall,
         "summarize_fidelity": summaries.summarize_fidelity,
         "summarize_downstream": summaries.summarize_downstream,
+        "summarize_latency": summaries.summarize_latency,
     }[snakemake.rule]
     # params are keyword arguments: datasets (trajectory)
     summarize([Path(p) for p in snakemake.input], Path(snakemake.output[0]), **dict(snakemake.params.items()))

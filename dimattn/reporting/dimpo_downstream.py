@@ -331,3 +331,42 @@ def kv_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -
     groups = [{"title": "KV-cache compression", "columns": [Tex(latex.escape(label)) for _, label in slots]}]
     return latex.grouped_table(path, "dimpo_downstream.kv_table", groups, body, Tex(caption), "dimpo_kv",
                                Tex("Model, probe, objective, $l$"), cell.note())
+
+
+# ---- latency (Appendix H) ------------------------------------------------------------------------
+
+
+def latency_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
+    """Seed 003 Appendix H: per model, the base model, SnapKV and DimPO's projection (rows):
+    prefill time, time per decoded token, tokens/s, KV-cache and peak memory (medians of paired
+    repeats), each with its ratio to the base model's in brackets. The base model's own ratio
+    (base against base) is the measurement's noise floor."""
+    df = frames["dimpo_latency"]
+    groups = [{"title": "", "columns": ["prefill (ms)", "decode (ms/token)", "tokens/s", "KV cache (KiB)",
+                                        "peak (MiB)"]}]  # fmt: skip
+    body = []
+    for (model, device, dtype, prompt, new), part in df.groupby(["model", "device", "dtype", "prompt", "new"],
+                                                                sort=False):  # fmt: skip
+        for i, (_, r) in enumerate(part.iterrows()):
+            def both(value, ratio, digits=1):
+                return f"{value:.{digits}f} ({ratio:.2f})"
+
+            label = f"{model} ({device}, {dtype}, {prompt} + {new} tokens, d' = {r['d_prime']}): {r['setting']}"
+            body.append({"label": Tex(latex.escape(label)), "space": i == 0, "cells": [
+                both(1e3 * r["prefill_s"], r["prefill_ratio"]), both(1e3 * r["decode_s"], r["decode_ratio"], 2),
+                both(r["tokens_per_s"], 1 / r["decode_ratio"] if r["decode_ratio"] else float("nan")),
+                both(r["cache_bytes"] / 1024, r["cache_ratio"]), both(r["peak_bytes"] / 2**20, r["peak_ratio"]),
+            ]})  # fmt: skip
+    kinds = set(df["peak_kind"])
+    caption = (
+        "Inference latency (seed 003, Appendix H): the base model, SnapKV (a quarter of the prompt kept), and "
+        "Table 1's DimPO projection on the last half and on every layer, alone and with SnapKV; medians over "
+        "paired repeats, in brackets the median ratio to the base model measured back to back (the base row's "
+        "is the noise floor). Peak memory: "
+        + ("CUDA's allocator peak" if kinds == {"cuda_max_allocated"} else
+           "the weights plus the KV cache (a CPU process has no per-run peak)" if kinds == {"weights_plus_cache"}
+           else "CUDA's allocator peak on GPU, weights plus KV cache on CPU")
+        + ". The paper reports no numbers we could set beside these."
+    )
+    return latex.grouped_table(path, "dimpo_downstream.latency_table", groups, body, Tex(caption), "dimpo_latency",
+                               Tex("Model: setting"))

@@ -93,6 +93,7 @@ SUMMARIES: dict[str, Callable[[Asked], bool]] = {
     "lm_eval": lambda asked: asked.lm_eval,
     "dimpo_fidelity": lambda asked: bool(asked.dimpo),
     "dimpo_downstream": _study("downstream"),
+    "dimpo_latency": _study("latency"),
 }
 
 
@@ -162,6 +163,8 @@ OUTPUTS: dict[str, Output] = {
         _output("DimPO", paths.table("dimpo_ruler"), "dimpo_downstream:subtask_table", _study("long_context"),
                 ["dimpo_downstream"]),
         _output("DimPO", paths.table("dimpo_kv"), "dimpo_downstream:kv_table", _study("kv"), ["dimpo_downstream"]),
+        _output("DimPO", paths.table("dimpo_latency"), "dimpo_downstream:latency_table", _study("latency"),
+                ["dimpo_latency"]),
     )
 }
 
@@ -284,6 +287,8 @@ def runs_in(summary_dir: os.PathLike | str) -> Asked:
     if "dimpo_fidelity" in on_disk:
         fidelity = summaries.read(_summary_path(summary_dir, "dimpo_fidelity"), "dimpo_fidelity")
         studies = tuple(dict.fromkeys(fidelity["study"]))
+    if "dimpo_latency" in on_disk:
+        studies += ("latency",)
     if "dimpo_downstream" in on_disk:
         from .dimpo_downstream import long_context
 

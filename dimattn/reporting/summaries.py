@@ -54,6 +54,10 @@ COLUMNS = {
     # study: Table 1's (MAIN_STUDY: Figures 2-3, Tables 2-5) or one of dimpo.downstream.studies
     # (table6: Table 6's RULER column); a model scored for two has rows in both.
     "dimpo_downstream": ["study"] + DOWNSTREAM_FIELDS + ["task", "metric", "value", "stderr"],
+    # dimattn.latency.measure: medians over paired repeats, ratios to the base model's
+    "dimpo_latency": ["model", "d_prime", "setting", "num_projected", "kv", "device", "dtype", "prompt", "new",
+                      "repeats", "prefill_s", "decode_s", "tokens_per_s", "cache_bytes", "peak_bytes", "peak_kind",
+                      "prefill_ratio", "decode_ratio", "cache_ratio", "peak_ratio"],
     # study: dimattn.sweeps.MAIN_STUDY (Table 1) or a dimpo.ablations key; setting_order: the
     # setting's place in that study's list. A fit in two studies has rows in both.
     "dimpo_fidelity": ["study", "setting_order"] + FIDELITY_COLUMNS,
@@ -438,5 +442,23 @@ def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLik
         key=lambda s: s.map(lambda o: order.get(o, len(order))) if s.name == "objective" else s, kind="stable",
     )
     df = df[COLUMNS["dimpo_downstream"]].reset_index(drop=True)
+    _write_csv(df, out_csv)
+    return df
+
+
+def summarize_latency(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
+    """The latency rows of every dimpo model (dimattn.latency.latency_to_file), in file order."""
+    rows = []
+    for path in jsons:
+        records = json.loads(Path(path).read_text())
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise ValueError(f"{path}: not a latency record (a list of settings)")
+        missing = sorted({c for r in records for c in COLUMNS["dimpo_latency"] if c not in r})
+        if missing:
+            raise ValueError(f"{path}: latency record lacks {missing}")
+        rows += records
+    if not rows:
+        raise ValueError("summarize_latency found no latency rows in its inputs")
+    df = pd.DataFrame(rows)[COLUMNS["dimpo_latency"]]
     _write_csv(df, out_csv)
     return df
