@@ -40,8 +40,10 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 WORKDIR = b"<workdir>"
 # Checkpoints are not outputs but resume state; after a resume, pickle's memo refers back to a
 # string an uninterrupted run writes out again (equal values, other bytes). The weights and
-# metrics rows they hold are compared byte for byte in the exported model directory.
-NOT_COMPARED = r"results/checkpoints/[^/]+/checkpoint\.pt"
+# metrics rows they hold are compared byte for byte in the exported model directory. Latency
+# (dimpo.latency, Appendix H) is a measurement of time: no two runs agree on it.
+NOT_COMPARED = (r"results/checkpoints/[^/]+/checkpoint\.pt|results/dimpo/[^/]+/latency\.json"
+                r"|results/summary/dimpo_latency\.csv|results/tables/dimpo_latency\.tex")
 
 
 def start(cwd: Path, args: list[str], log: Path) -> subprocess.Popen:
