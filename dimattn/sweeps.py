@@ -268,6 +268,12 @@ class Plan:
             return "hub"
         return "recall" if self.runs[spec["run"]].synthetic else "text"
 
+    def keeps_own_cache(self, model: str) -> bool:
+        """A DAR or uniform run of ours: its latent cache (DimAttnCache) is no plain KV cache, so
+        KV compression (SnapKV, KIVI) neither applies to it nor is timed on it."""
+        spec = self.dimpo_models[model]
+        return "run" in spec and self.runs[spec["run"]].model["attention"] != "vanilla"
+
     def dimpo_layers(self, model: str) -> int | None:
         """The layers of a dimpo model of ours; None for a hub model (known once it loads)."""
         spec = self.dimpo_models[model]
@@ -294,10 +300,7 @@ class Plan:
         ds = self.downstream
         if not (self.dimpo_enabled and ds["objectives"]):
             return []
-        spec = self.dimpo_models[model]
-        # a DAR or uniform model keeps its own latent cache, which KV compression does not act on
-        own_cache = "run" in spec and self.runs[spec["run"]].model["attention"] != "vanilla"
-        generative = self.dimpo_probe(model) != "text" and not own_cache
+        generative = self.dimpo_probe(model) != "text" and not self.keeps_own_cache(model)
         kvs = [{"name": NO_KV}] + (ds["kv"] if generative else [])
         main = setting_name(self.dimpo["settings"][0])
         projected = [Projected(BASE_OBJECTIVE, 0, 0, kv["name"]) for kv in kvs] + [
@@ -335,8 +338,7 @@ class Plan:
         cache, which SnapKV compresses, once Table 1's projections are applied downstream."""
         if self.latency is None or not self.downstream["objectives"]:
             return []
-        return [m for m, spec in self.dimpo_models.items()
-                if "hub" in spec or self.runs[spec["run"]].model["attention"] == "vanilla"]  # fmt: skip
+        return [m for m in self.dimpo_models if not self.keeps_own_cache(m)]
 
     def latency_projection(self, model: str) -> tuple[str, str, int, int]:
         """(objective, setting, d', seed) of the fit the latency job applies: Table 1's DimPO (or
