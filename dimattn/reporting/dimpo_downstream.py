@@ -173,8 +173,8 @@ SCORE_KEYS = ["study", "model", "objective", "setting", "d_prime", "kv", "num_pr
 
 
 def long_context(df: pd.DataFrame) -> pd.DataFrame:
-    """Long-context scores in percent, long: one row per (model, objective, d', kv, l, seed,
-    probe, column). RULER at each length (probe "RULER 4096") gives the six columns of Tables 2-3
+    """Long-context scores in percent, long: one row per (study, model, objective, setting, d',
+    kv, l, seed, probe, column). RULER at each length (probe "RULER 4096") gives the six columns of Tables 2-3
     and "avg", the mean of all 13 subtasks (missing unless all 13 ran); the recall probe (probe
     "recall") a column per distance bin and "avg", every query. ``order`` keeps the columns'."""
     rows = []
@@ -205,8 +205,8 @@ def long_context(df: pd.DataFrame) -> pd.DataFrame:
 
 def _probe_points(scores: pd.DataFrame) -> pd.DataFrame:
     """:func:`long_context` aggregated over fit seeds (``value_spread``)."""
-    return aggregate(scores, ["value"], ["model", "probe", "objective", "d_prime", "kv", "num_projected", "n_layers",
-                                         "column", "order"])  # fmt: skip
+    return aggregate(scores, ["value"], ["study", "model", "probe", "objective", "setting", "d_prime", "kv",
+                                         "num_projected", "n_layers", "column", "order"])  # fmt: skip
 
 
 def separating_l(points: pd.DataFrame) -> int | None:
