@@ -22,6 +22,7 @@ from .plots import OBJECTIVE_COLORS
 from .replicates import Spread, aggregate, seed_counts, spread
 
 LOWER_IS_BETTER = ("ppl", "perplexity", "bits_per_byte")
+RECALL_TASK = "recall:"  # the recall probe's tasks in the summary: "recall:<corpus>"
 
 
 def _lower_is_better(metric: str) -> bool:
@@ -57,7 +58,10 @@ def replicated(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _panels(df: pd.DataFrame) -> list[tuple[str, str]]:
-    return list(dict.fromkeys(zip(df["task"], df["metric"])))
+    """(task, metric) of the figure's panels and the table's groups: the recall probe by its
+    overall accuracy only (its distance bins are Tables 2-3's columns, :func:`subtask_table`)."""
+    pairs = dict.fromkeys(zip(df["task"], df["metric"]))
+    return [(t, m) for t, m in pairs if not (t.startswith(RECALL_TASK) and m != "acc")]
 
 
 def _label(objective: str, d_prime: int, kv: str, many_d: bool) -> str:
@@ -168,7 +172,6 @@ RULER_GROUPS = {
     "VT": ["ruler_vt"], "CWE": ["ruler_cwe"], "FWE": ["ruler_fwe"],
 }  # fmt: skip
 AVERAGE = "avg"
-RECALL_TASK = "recall:"
 SCORE_KEYS = ["study", "model", "objective", "setting", "d_prime", "kv", "num_projected", "n_layers", "share", "seed"]
 
 
