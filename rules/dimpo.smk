@@ -206,7 +206,8 @@ rule latency:
         paths.bench("latency", "latency_{model}")
     conda:
         "../envs/torch.yaml"
-    threads: workflow.cores
+    # a callable: commands given no --cores (--unlock, --report) never ask for it
+    threads: lambda wildcards: workflow.cores
     resources:
         runtime=dimpo_resource("runtime"),
         mem_mb=dimpo_resource("mem_mb"),
