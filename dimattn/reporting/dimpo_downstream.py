@@ -309,8 +309,8 @@ def kv_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -
     body = []
     for (model, probe, objective, d_prime), part in points.groupby(["model", "probe", "objective", "d_prime"],
                                                                     sort=False):  # fmt: skip
-        if objective == BASE_OBJECTIVE:
-            continue
+        if objective == BASE_OBJECTIVE or (part["kv"] == NO_KV).all():
+            continue  # Table 5's rows: the objectives combined with a compression
         base = points[(points["model"] == model) & (points["probe"] == probe) & (points["objective"] == BASE_OBJECTIVE)]
         for i, (l, line) in enumerate(pd.concat([base, part]).groupby("num_projected", sort=True)):
             by_kind = {kinds[r["kv"]]: spread(r, "value") for _, r in line.iterrows()}
