@@ -72,3 +72,26 @@ def test_the_latency_table_is_drawn_from_the_summary(rows, tmp_path):
     bad.write_text(json.dumps([{"model": "m"}]))
     with pytest.raises(ValueError, match="bad.json: latency record lacks"):
         summaries.summarize_latency([bad], tmp_path / "x.csv")
+
+
+def test_latency_to_file_measures_a_run_directory_with_its_fitted_projections(tmp_path):
+    """The workflow's latency job: one of our run directories (remote code, ours) and a fitted
+    projections file, the rows written as JSON with the model's name and d'."""
+    from dimattn import DimAttnConfig, DimAttnForCausalLM
+    from dimattn.affine import save_projections
+    from dimattn.latency import latency_to_file
+
+    torch.manual_seed(0)
+    run = DimAttnForCausalLM(DimAttnConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                           attention="vanilla", max_position_embeddings=128))
+    run.config.register_for_auto_class()
+    run.register_for_auto_class("AutoModelForCausalLM")
+    run.save_pretrained(tmp_path / "run")
+    save_projections({i: Affine(torch.randn(D_PRIME, 16), torch.zeros(D_PRIME)) for i in range(2)},
+                     tmp_path / "p.safetensors")
+    rows = latency_to_file(str(tmp_path / "run"), tmp_path / "p.safetensors", tmp_path / "latency.json", "tiny",
+                           prompt=32, new=2, repeats=1)
+    assert json.loads((tmp_path / "latency.json").read_text()) == rows
+    assert [r["setting"] for r in rows] == ["base", "snapkv", "dimpo l=1", "dimpo l=2", "dimpo l=2 + snapkv"]
+    assert {r["model"] for r in rows} == {"tiny"} and {r["d_prime"] for r in rows} == {D_PRIME}
+    assert rows[3]["cache_ratio"] == pytest.approx((D_PRIME + 16) / 32)

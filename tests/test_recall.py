@@ -428,3 +428,42 @@ def test_a_recall_corpus_is_captured_in_whole_examples(tmp_path):
         token_windows(bin_path, 16, 3)
     with pytest.raises(DataError, match="fewer than 1000 windows"):
         token_windows(bin_path, s.seq_len, 1000)
+
+
+def test_score_projected_runs_the_probe_through_a_projected_directory(tmp_path):
+    """The workflow's score_projected on a projected recall model (l = 1, SnapKV): the probe's
+    record, as the prediction through the directory's own cache gives it."""
+    from dimattn import DimAttnConfig, DimAttnForCausalLM
+    from dimattn.affine import Affine, save_projections
+    from dimattn.evaluation import load_model, score_projected
+    from dimattn.modeling_projected import save_projected_model
+    from dimattn.recall import find_queries, load_examples, predict_through_cache
+
+    s = RecallSettings(**SMALL)
+    write_recall_corpus(s, tmp_path / "r")
+    test_bin = tmp_path / "r/tokens/test.bin"
+    torch.manual_seed(0)
+    base = DimAttnForCausalLM(DimAttnConfig(vocab_size=s.vocab_size, hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=2, attention="vanilla", max_position_embeddings=128))
+    base.config.register_for_auto_class()
+    base.register_for_auto_class("AutoModelForCausalLM")
+    base.save_pretrained(tmp_path / "run")
+    (tmp_path / "r/tokenizer").rename(tmp_path / "tok")
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(tmp_path / "tok").save_pretrained(tmp_path / "run")
+    g = torch.Generator().manual_seed(1)
+    save_projections({i: Affine(torch.randn(4, 16, generator=g), torch.zeros(4)) for i in range(2)},
+                     tmp_path / "p.safetensors", {"objective": "kl", "d_prime": 4})
+    kv = {"snapkv": {"budget": s.min_query_pos // 2, "window": 4, "kernel": 3}}
+    model_dir = save_projected_model(tmp_path / "projected", str(tmp_path / "run"), tmp_path / "p.safetensors",
+                                     num_projected=1, kv=kv)
+    record = score_projected(model_dir, {"model": "r"}, tokens={}, seq_len=64, batch_size=4, max_tokens=None,
+                             tasks=[], limit=None, out_json=tmp_path / "out.json", recall={"recall": test_bin})
+    probe = record["recall"]["recall"]
+    assert probe["prefill"] == s.min_query_pos and probe["n_queries"] == s.n_test * s.queries
+    examples, meta = load_examples(test_bin)
+    queries = find_queries(examples, meta["recall"])
+    predictions = predict_through_cache(load_model(model_dir), examples, queries, s.min_query_pos, 4)
+    assert probe["accuracy"] == pytest.approx(float((predictions == queries[:, 3]).mean()))
+    assert json.loads((tmp_path / "out.json").read_text())["recall"] == record["recall"]
