@@ -306,7 +306,7 @@ def _table6_long_context(downstream: pd.DataFrame | None, d_primes) -> tuple[pd.
     """Table 6's RULER column at our scale: the long-context average (dimpo_downstream: RULER, or
     the recall probe) of the projected models of study ``table6``, and of Table 1's KL and DimPO
     + KL at its d' and l, per (model, objective, setting, d'); with the [(model, probe, l)] shown."""
-    from .dimpo_downstream import AVERAGE, long_context
+    from .dimpo_downstream import AVERAGE, long_context, probe_points
 
     if downstream is None:
         return pd.DataFrame(), []
@@ -317,9 +317,7 @@ def _table6_long_context(downstream: pd.DataFrame | None, d_primes) -> tuple[pd.
     main = scores[(scores["study"] == MAIN_STUDY) & scores["objective"].isin(["kl", "dimpo_kl"])
                   & scores["d_prime"].isin(d_primes)]  # fmt: skip
     main = main[[(m, p, l) in shown for m, p, l in zip(main["model"], main["probe"], main["num_projected"])]]
-    both = pd.concat([ablation, main], ignore_index=True)
-    keys = ["model", "probe", "objective", "setting", "d_prime", "num_projected"]
-    return aggregate(both, ["value"], keys), shown
+    return probe_points(pd.concat([ablation, main], ignore_index=True)), shown
 
 
 def ablation_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:

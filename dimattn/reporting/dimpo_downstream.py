@@ -206,7 +206,7 @@ def long_context(df: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values("model", key=lambda s: s.map(models), kind="stable").reset_index(drop=True)
 
 
-def _probe_points(scores: pd.DataFrame) -> pd.DataFrame:
+def probe_points(scores: pd.DataFrame) -> pd.DataFrame:
     """:func:`long_context` aggregated over fit seeds (``value_spread``)."""
     return aggregate(scores, ["value"], ["study", "model", "probe", "objective", "setting", "d_prime", "kv",
                                          "num_projected", "n_layers", "column", "order"])  # fmt: skip
@@ -238,7 +238,7 @@ def subtask_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pa
     :func:`separating_l`), a row per objective, the paper's Tables 2 (Llama-3.1-8B, l = 20) and
     3 (Qwen3-4B, l = 24) beside. Ours: RULER at paper scale, the recall probe's distance bins at
     CPU scale; scores in percent, absolute, without KV compression."""
-    points = _probe_points(long_context(main_study(frames["dimpo_downstream"])))
+    points = probe_points(long_context(main_study(frames["dimpo_downstream"])))
     points = points[points["kv"] == NO_KV]
     if points.empty:
         raise ValueError("the downstream summary has no long-context (RULER or recall probe) scores")
@@ -287,7 +287,7 @@ def kv_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -
     l = 0 the base model); the paper's Llama-3.1-8B rows (DimPO, RULER 4k and 8k) below ours."""
     df = main_study(frames["dimpo_downstream"])
     kinds = {r["kv"]: (r["kv_method"], int(r["kv_level"])) for _, r in df.drop_duplicates("kv").iterrows()}
-    points = _probe_points(long_context(df))
+    points = probe_points(long_context(df))
     points = points[points["column"] == AVERAGE]
     ref = paper.read(reference_dir, "dimpo_compression")
     paper_kinds = {c: ("kivi", int(c.split("-")[1][0])) if c.startswith("kivi") else
