@@ -23,7 +23,7 @@ run: install
 	$(BIN)/snakemake --cores $(CORES)
 
 test: install
-	$(BIN)/pytest -ra --durations=10
+	$(BIN)/pytest -ra --durations=10 -n $(CORES) --dist loadfile
 
 figures: install
 	$(BIN)/snakemake --cores 1 figures

@@ -71,18 +71,25 @@ def dag_times(root: Path) -> None:
 # --- training steps ------------------------------------------------------------------------------
 
 
-def default_model(config_path: Path, d_down: int | None) -> tuple[dict, dict, dict, int]:
-    """(architecture, training, DAR keys, vocab) of scale "tiny": the window of its first DAR
-    sweep entry, d_down = d / 4 (seed 000's default ratio) unless given."""
+def default_model(config_path: Path, d_down: int | None, scale_name: str = "tiny") -> tuple[dict, dict, dict, int]:
+    """(architecture, training, DAR keys, vocab) of a scale ("tiny" by default): the window of
+    its first DAR sweep entry, d_down = d / 4 (seed 000's default ratio) unless given. A scale
+    trained on the synthetic recall corpus takes that corpus's vocabulary."""
     import yaml
 
     config = yaml.safe_load(config_path.read_text())
-    scale = config["pretraining"]["scales"]["tiny"]
-    dar = next(s for s in config["pretraining"]["sweeps"] if s["scale"] == "tiny" and s["attention"] == "dar")
-    window = dar["window"][0] if isinstance(dar["window"], list) else dar["window"]
+    scale = config["pretraining"]["scales"][scale_name]
+    dar = next(s for s in config["pretraining"]["sweeps"] if s["scale"] == scale_name and s["attention"] == "dar")
+    first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731
     arch = scale["architecture"]
-    keys = {"window": window, "d_down": d_down or arch["hidden_size"] // 4}
-    return arch, scale["training"], keys, config["tokenizer"]["vocab_size"]
+    keys = {"window": first(dar["window"]), "d_down": d_down or arch["hidden_size"] // 4}
+    vocab = config["tokenizer"]["vocab_size"]
+    dataset = config["datasets"].get(scale.get("dataset", config["pretraining"]["dataset"]), {})
+    if dataset.get("source") == "synthetic_recall":
+        from dimattn.recall import RecallSettings
+
+        vocab = RecallSettings.from_spec(dataset).vocab_size
+    return arch, scale["training"], keys, vocab
 
 
 def matmul_weights(model) -> int:
@@ -110,7 +117,7 @@ def bench_training(args) -> None:
 
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as training.py does on CPU
-    arch, train, dar, vocab = default_model(args.config, args.d_down)
+    arch, train, dar, vocab = default_model(args.config, args.d_down, args.scale)
     seq_len, batch = train["seq_len"], train["batch_size"]
     cfg = TrainConfig(seq_len=seq_len, batch_size=batch, lr=train.get("lr", 1e-3))
     x = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
@@ -169,7 +176,7 @@ def bench_training(args) -> None:
               "gflop_per_step": round(flops[name] / 1e9, 3),
               "model_gflops": round(achieved / 1e9, 1), "mfu": round(achieved / peak[precision], 4),
               "mfu_of": f"matmul_peak_{precision}", "batch": [batch, seq_len],
-              "model": {**arch, "vocab": vocab, **(dar if name.startswith("dar") else {})}, **common})
+              "scale": args.scale, "model": {**arch, "vocab": vocab, **(dar if name.startswith("dar") else {})}, **common})
     for precision in ("fp32", "bf16"):
         dar, vanilla = f"dar_{precision}", f"vanilla_{precision}"
         emit({"name": f"dar_over_vanilla_{precision}", "ratio": round(wall[dar] / wall[vanilla], 4),
@@ -182,6 +189,7 @@ def bench_training(args) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "config.yaml")
+    parser.add_argument("--scale", default="tiny", help="a scale of the config's pretraining.scales")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the tiny scale trains on 1)")
     parser.add_argument("--d-down", type=int, default=None, help="DAR bottleneck width (default: hidden_size / 4)")
     parser.add_argument("--repeats", type=int, default=7)

@@ -1,13 +1,51 @@
-"""Fixtures shared by test files."""
+"""Fixtures shared by test files, and the suite's order across pytest-xdist workers.
+
+``make test`` runs the suite on every core (``pytest -n CORES --dist loadfile``): each test
+file goes whole to one worker, so a module fixture (the SLURM cluster, a trained model) is built
+once. The session's smoke run is shared by every worker through a lock in xdist's common temp
+folder (pytest-xdist's recipe for a session fixture run once): the first worker to ask runs it,
+the others wait and read its directory.
+"""
+
+import json
+import traceback
+from pathlib import Path
 
 import pytest
+from filelock import FileLock
+
+# Files that take minutes go out first, so that the short ones fill the other worker meanwhile
+# (xdist hands files out in collection order). The smoke run's readers stay together.
+SLOW_FIRST = ("test_slurm_cluster.py", "test_workflow.py", "test_kill9.py", "test_modeling_projected.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept
 
 
 @pytest.fixture(scope="session")
-def smoke_run(tmp_path_factory):
+def smoke_run(tmp_path_factory, worker_id):
     """configs/smoke.yaml through the whole DAG, once a session: (its directory, wall seconds).
     test_workflow reads its outputs; test_kill9 takes it as the uninterrupted reference, so
     no test may change what is under its results/."""
     from test_workflow import run_smoke
 
-    return run_smoke(tmp_path_factory.mktemp("smoke"))
+    if worker_id == "master":  # not under xdist
+        return run_smoke(tmp_path_factory.mktemp("smoke"))
+    shared = tmp_path_factory.getbasetemp().parent  # the same folder for every worker of this run
+    marker = shared / "smoke.json"
+    with FileLock(str(shared / "smoke.lock")):
+        if not marker.is_file():
+            root = shared / "smoke"
+            root.mkdir()
+            try:
+                work, wall = run_smoke(root)
+                marker.write_text(json.dumps({"work": str(work), "wall": wall}))
+            except BaseException:  # pytest.fail included: the waiting workers fail with the same text
+                marker.write_text(json.dumps({"error": traceback.format_exc()[-20000:]}))
+                raise
+        result = json.loads(marker.read_text())
+    if "error" in result:
+        pytest.fail(f"the session's smoke run failed on another worker:\n{result['error']}")
+    return Path(result["work"]), result["wall"]

@@ -267,6 +267,30 @@ def test_lm_head_loss_under_bf16_autocast():
         torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("chunk,group", [(1 << 20, 512), (2000, 60), (1000, 3)])
+def test_lm_head_loss_bf16_gradient_in_place(monkeypatch, chunk, group):
+    """With gradients under bf16 the softmax is written, 16-bit, into the gradient buffer: over
+    chunks, groups, ignored rows and a short last chunk, the gradients are F.cross_entropy's on
+    the same bf16 logits (to bf16 rounding), the loss within 2e-3 nats; without gradients
+    (validation) the probabilities stay float32 and the loss matches to float32 rounding."""
+    monkeypatch.setattr(modeling, "LOSS_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(modeling, "LOSS_GRAD_ROWS", group)
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(203, 32, generator=g).requires_grad_(True)
+    w = (torch.randn(500, 32, generator=g) * 0.2).requires_grad_(True)
+    labels = torch.randint(0, 500, (203,), generator=g)
+    labels[::5] = -100
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = lm_head_loss(h, w, labels)
+        ref = F.cross_entropy((h @ w.T).float(), labels, ignore_index=-100)
+        with torch.no_grad():
+            exact = lm_head_loss(h, w, labels)
+    assert abs(loss.item() - ref.item()) < 2e-3
+    torch.testing.assert_close(exact, ref.detach(), atol=1e-5, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(loss, (h, w)), torch.autograd.grad(ref, (h, w))):
+        torch.testing.assert_close(a, b, atol=1e-2 * b.abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize("layout", ["vanilla", "dar", "swa"])
 def test_training_loss_skips_the_logits_and_matches_them(layout):
     """With labels and return_logits=False on CPU the loss comes from lm_head_loss (logits None),
