@@ -275,23 +275,40 @@ def prepare_pypi_corpus(archive, spec: dict, out_dir) -> dict[str, list[str]]:
     return split
 
 
-def _check_ranges(splits) -> None:
-    """Each split is a [start, stop) range of a dataset split; ranges must not overlap."""
+def range_errors(splits) -> list[tuple[str, str]]:
+    """(our split, message) for each bad range of an hf corpus's ``splits``: each is a
+    [start, stop) range of a dataset split (stop None: to the end, the schema's default), and
+    two ranges of one dataset split must not overlap. dimattn.sweeps refuses these at planning."""
     if not isinstance(splits, dict) or not splits:
-        raise DataError(f"hf corpus 'splits' must be a non-empty mapping, got {splits!r}")
+        return [("", f"hf corpus 'splits' must be a non-empty mapping, got {splits!r}")]
+    errors = []
     for ours, r in splits.items():
         if ours not in SPLITS:
-            raise DataError(f"unknown split {ours!r} in hf corpus spec; expected one of {SPLITS}")
-        _require(r, ["split", "start", "stop"], f"hf corpus split {ours!r}")
+            errors.append((ours, f"unknown split {ours!r} in hf corpus spec; expected one of {SPLITS}"))
+            continue
+        missing = [k for k in ("split", "start", "stop") if not isinstance(r, dict) or k not in r]
+        if missing:
+            have = sorted(r) if isinstance(r, dict) else type(r).__name__
+            errors.append((ours, f"hf corpus split {ours!r} spec is missing {missing}; it has {have}"))
+            continue
         start, stop = r["start"], r["stop"]
-        if not (type(start) is int and type(stop) is int and 0 <= start < stop):
-            raise DataError(
-                f"split {ours!r}: need ints 0 <= start < stop, got [{start!r}, {stop!r})"
-            )
+        if not (type(start) is int and start >= 0 and (stop is None or (type(stop) is int and start < stop))):
+            errors.append((ours, f"split {ours!r}: need ints 0 <= start < stop (stop null: the end), "
+                                 f"got [{start!r}, {stop!r})"))
+    if errors:
+        return errors
     for (a, ra), (b, rb) in itertools.combinations(splits.items(), 2):
         same = ra["split"] == rb["split"]
-        if same and ra["start"] < rb["stop"] and rb["start"] < ra["stop"]:
-            raise DataError(f"splits {a!r} and {b!r} overlap in dataset split {ra['split']!r}")
+        end_a, end_b = (float("inf") if r["stop"] is None else r["stop"] for r in (ra, rb))
+        if same and ra["start"] < end_b and rb["start"] < end_a:
+            errors.append((b, f"splits {a!r} and {b!r} overlap in dataset split {ra['split']!r}"))
+    return errors
+
+
+def _check_ranges(splits) -> None:
+    errors = range_errors(splits)
+    if errors:
+        raise DataError(errors[0][1])
 
 
 def _columns(ds) -> list[str]:
@@ -311,7 +328,8 @@ def _hf_document(row: dict, field: str, doc_id: str) -> dict:
 def prepare_hf_corpus(spec: dict, out_dir) -> dict[str, int]:
     """Write out_dir/<split>.jsonl from index ranges of a Hugging Face dataset.
 
-    spec: path, text_field, splits {ours: {split, start, stop}}, optional name (config) and
+    spec: path, text_field, splits {ours: {split, start, stop}} (stop None: to the end of the
+    dataset split), optional name (config) and
     streaming (default true). Ids are ``f"{split}-{index}"``, the dataset's split and row, so
     a document can be traced back. Returns documents written per split.
     """
@@ -341,7 +359,9 @@ def prepare_hf_corpus(spec: dict, out_dir) -> dict[str, int]:
                 for i, row in enumerate(rows, r["start"])
             )
             counts[ours] = write_documents(docs, staged / f"{ours}.jsonl")
-            if counts[ours] != r["stop"] - r["start"]:
+            if r["stop"] is None and counts[ours] == 0:
+                raise DataError(f"split {ours!r}: {path!r} split {r['split']!r} has no rows from start={r['start']}")
+            if r["stop"] is not None and counts[ours] != r["stop"] - r["start"]:
                 have = r["start"] + counts[ours]
                 raise DataError(
                     f"split {ours!r}: {path!r} split {r['split']!r} has {have} rows, "

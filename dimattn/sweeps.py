@@ -371,6 +371,7 @@ class Plan:
 def plan(config: dict) -> Plan:
     """The runs of ``config`` (validated, defaults filled) and every cross-reference checked."""
     p = Plan(config)
+    _check_splits(p)
     _check_scales(p)
     p.runs = expand_sweeps(p)
     check_references(p)
@@ -379,6 +380,17 @@ def plan(config: dict) -> Plan:
 
 def _as_list(value):
     return value if isinstance(value, list) else [value]
+
+
+def _check_splits(p: Plan) -> None:
+    """Every Hugging Face corpus's split ranges, as dimattn.data reads them (the schema's
+    defaults filled: start 0, stop null for the end): complete, and no two overlapping."""
+    from .data import range_errors
+
+    for name, spec in p.config["datasets"].items():
+        if spec["source"] == "huggingface":
+            for ours, message in range_errors(spec["splits"])[:1]:
+                raise ConfigError(f"datasets.{name}.splits" + (f".{ours}" if ours else ""), message)
 
 
 def _check_scales(p: Plan) -> None:

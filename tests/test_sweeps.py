@@ -106,7 +106,23 @@ def downstream(config, **changes):
     config["dimpo"]["downstream"] = {"objectives": ["kl"], "d_prime": [4], "num_projected": [2], **changes}
 
 
+PAPER = yaml.safe_load((REPO / "configs/paper.yaml").read_text())
+
+
+def hf_dataset(splits):
+    """Adds BOOKSUM (as configs/paper.yaml reads it) with ``splits``, unused by any run."""
+    return lambda c: c["datasets"].update(booksum=PAPER["datasets"]["booksum"] | {"splits": splits})
+
+
+THREE = {"train": {"split": "train"}, "validation": {"split": "validation"}, "test": {"split": "test"}}
+
 BAD = {
+    # a Hugging Face corpus's split ranges, as dimattn.data reads them
+    "hf splits overlap": (hf_dataset(THREE | {"test": {"split": "train", "start": 100, "stop": 200}}),
+                          "datasets.booksum.splits.test: splits 'train' and 'test' overlap"),
+    "hf split empty range": (hf_dataset(THREE | {"test": {"split": "test", "start": 5, "stop": 5}}),
+                             "datasets.booksum.splits.test: split 'test': need ints 0 <= start < stop"),
+    "hf split missing": (hf_dataset({"train": {"split": "train"}, "test": {"split": "test"}}), "validation"),
     # schema: types, ranges, unknown keys, required keys
     "unknown variant": (add_sweep({"scale": "tiny", "attention": "sparse"}), "sparse"),
     "unknown objective": (lambda c: c["dimpo"]["objectives"].append("cosine"), "cosine"),
@@ -237,6 +253,17 @@ def test_seeds_expand_into_replicates():
     assert plan.config["pretraining"]["scales"]["micro"]["training"]["seed"] == 0
     with pytest.raises(sweeps.ConfigError, match=r"seed: \[1, 1\] repeats"):
         plan_of(mutated(add_sweep({"scale": "micro", "attention": "vanilla", "seed": [1, 1]})))
+
+
+def test_hf_split_ranges_default_to_the_whole_split():
+    """configs/paper.yaml gives BOOKSUM's splits by name alone: start 0 and stop null (the end)
+    come from the schema, which dimattn.data reads; ranges of one split that touch do not overlap."""
+    plan = plan_of(mutated(hf_dataset(THREE)))
+    assert plan.config["datasets"]["booksum"]["splits"]["validation"] == {"split": "validation", "start": 0,
+                                                                          "stop": None}
+    pile = {"train": {"split": "train", "start": 20}, "validation": {"split": "train", "stop": 10},
+            "test": {"split": "train", "start": 10, "stop": 20}}
+    assert plan_of(mutated(hf_dataset(pile))).config["datasets"]["booksum"]["splits"]["train"]["stop"] is None
 
 
 def test_sweep_errors_carry_the_key():
