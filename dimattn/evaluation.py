@@ -4,8 +4,10 @@ that the workflow writes itself from the held-out split (so the default run stay
 
 import json
 import math
+import os
 import random
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -127,16 +129,33 @@ def write_lm_eval_data(test_jsonl: Path, out_files: dict[str, Path], heldout_doc
                 f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
+def _fingerprint(model_dir: Path) -> dict:
+    """What a partial lm-eval result was scored on: each file of the model directory by size and
+    modification time, so a retrained (or re-projected) model never reuses an old one's scores."""
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(Path(model_dir).iterdir()) if p.is_file()}
+
+
 def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, device: str = "cpu",
-                    dtype: str = "float32", metadata: dict | None = None) -> dict:  # fmt: skip
+                    dtype: str = "float32", metadata: dict | None = None, allow_unsafe_code: bool = False,
+                    partial_dir: Path | None = None) -> dict:  # fmt: skip
     """lm-eval's own `hf` model on ``model_dir``: {"results": ..., "num_fewshot": ...}.
 
-    tasks = [{"name", "num_fewshot", "batch_size", "chat_template"}] (the last two optional, else
-    ``batch_size`` and no chat template), ours (TASKS_DIR) or lm-eval's; ``metadata`` goes to
-    lm-eval's TaskManager with the model's tokenizer (RULER's max_seq_lengths)."""
+    tasks = [{"name", "num_fewshot", "batch_size", "chat_template", "dtype"}] (the last three
+    optional, else ``batch_size``, no chat template and ``dtype``), ours (TASKS_DIR) or lm-eval's;
+    ``metadata`` goes to lm-eval's TaskManager with the model's tokenizer (RULER's
+    max_seq_lengths). ``allow_unsafe_code`` (evaluation.lm_eval.allow_unsafe_code) lets tasks
+    marked ``unsafe_code`` (MBPP) execute the model's code: lm-eval's confirm_run_unsafe_code,
+    and HF_ALLOW_CODE_EVAL for `evaluate`'s code_eval.
+
+    One task at a time, each written to ``partial_dir/<task>.json`` as it finishes (with the
+    model's fingerprint): a failing task loses nothing else, and a rerun scores only the tasks
+    missing there. Every task is tried before the first failure is raised."""
     import lm_eval
+    from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
+    if allow_unsafe_code:
+        os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # evaluate's code_eval refuses to run without it
     # Indexing lm-eval's thousands of built-in task files takes most of a CPU run: skip it
     # when every task asked for is one of ours.
     own = {p.stem for p in TASKS_DIR.glob("*.yaml")}
@@ -144,35 +163,75 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
         include_path=str(TASKS_DIR), include_defaults=any(t["name"] not in own for t in tasks),
         metadata={"tokenizer": str(model_dir), **(metadata or {})} if metadata else None,
     )  # fmt: skip
-    results, configs = {}, {}
-    groups = {}
-    for t in tasks:
-        key = (t.get("num_fewshot", 0), t.get("batch_size", batch_size), bool(t.get("chat_template", False)))
-        groups.setdefault(key, []).append(t["name"])
-    for (shots, size, chat), names in sorted(groups.items()):
-        out = lm_eval.simple_evaluate(
-            model="hf",
-            model_args={"pretrained": str(model_dir), "trust_remote_code": True, "dtype": dtype},
-            tasks=names,
-            num_fewshot=shots,
-            batch_size=size,
-            device=device,
-            limit=limit,
-            task_manager=manager,
-            apply_chat_template=chat,
-            log_samples=False,
-            bootstrap_iters=1000,  # stderr: closed form for means, bootstrap for perplexities
-        )
-        results.update(out["results"])
-        configs.update({k: v.get("num_fewshot") for k, v in out.get("configs", {}).items()})
+    fingerprint = _fingerprint(model_dir)
+    results, configs, failed = {}, {}, {}
+    lm, lm_key = None, None
+
+    def key(t):
+        return (t.get("dtype", dtype), t.get("batch_size", batch_size), t.get("num_fewshot", 0),
+                bool(t.get("chat_template", False)))  # fmt: skip
+
+    # grouped by model settings, so the model loads once a (dtype, batch size)
+    for t in sorted(tasks, key=key):
+        spec = {"task": t, "limit": limit, "metadata": metadata or {}, "model": fingerprint}
+        partial = Path(partial_dir) / f"{t['name']}.json" if partial_dir is not None else None
+        if partial is not None and partial.is_file():
+            done = json.loads(partial.read_text())
+            if done.get("spec") == _jsonable(spec):
+                results.update(done["results"])
+                configs.update(done["num_fewshot"])
+                continue
+        task_dtype, size, shots, chat = key(t)
+        try:
+            if lm_key != (task_dtype, size):
+                lm = None  # free the previous model before loading the next
+                lm = get_model("hf").create_from_arg_obj(
+                    {"pretrained": str(model_dir), "trust_remote_code": True, "dtype": task_dtype},
+                    {"batch_size": size, "device": device},
+                )  # fmt: skip
+                lm_key = (task_dtype, size)
+            out = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=[t["name"]],
+                num_fewshot=shots,
+                batch_size=size,
+                device=device,
+                limit=limit,
+                task_manager=manager,
+                apply_chat_template=chat,
+                log_samples=False,
+                bootstrap_iters=1000,  # stderr: closed form for means, bootstrap for perplexities
+                confirm_run_unsafe_code=allow_unsafe_code,
+            )
+        except Exception as e:  # noqa: BLE001 - recorded, the other tasks still run
+            import traceback
+
+            traceback.print_exc()
+            failed[t["name"]] = f"{type(e).__name__}: {e}"
+            continue
+        done = {"spec": spec, "results": _jsonable(out["results"]),
+                "num_fewshot": {k: v.get("num_fewshot") for k, v in out.get("configs", {}).items()}}  # fmt: skip
+        if partial is not None:
+            _write_json(done, partial)
+        results.update(done["results"])
+        configs.update(done["num_fewshot"])
+    if failed:
+        kept = f"; the others are kept in {partial_dir}, and a rerun scores only the failed" if partial_dir else ""
+        raise RuntimeError(f"lm-eval tasks failed on {model_dir}: {failed}{kept}")
     return {"results": _jsonable(results), "num_fewshot": configs}
 
 
 def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
-                device: str = "cpu", dtype: str = "float32") -> dict:
-    """lm_eval_results of one of our runs, with its run fields, as JSON."""
-    record = {**run_metadata(model_dir), **lm_eval_results(model_dir, tasks, batch_size, limit, device, dtype)}
+                device: str = "cpu", dtype: str = "float32", allow_unsafe_code: bool = False,
+                partial_dir: Path | None = None) -> dict:  # fmt: skip
+    """lm_eval_results of one of our runs, with its run fields, as JSON; the per-task partial
+    results (``partial_dir``) are removed once the whole record is written."""
+    record = {**run_metadata(model_dir), **lm_eval_results(model_dir, tasks, batch_size, limit, device, dtype,
+                                                           allow_unsafe_code=allow_unsafe_code,
+                                                           partial_dir=partial_dir)}  # fmt: skip
     _write_json(record, out_json)
+    if partial_dir is not None:
+        shutil.rmtree(partial_dir, ignore_errors=True)
     return record
 
 

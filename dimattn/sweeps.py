@@ -78,6 +78,33 @@ BASE_OBJECTIVE = "base"  # the unprojected model (l = 0) among the downstream sc
 NO_KV = "none"  # no KV-cache compression
 
 
+def unsafe_lm_eval_tasks() -> frozenset[str]:
+    """lm-eval's tasks whose YAML, or a file it includes, says ``unsafe_code: true`` (MBPP,
+    HumanEval: they execute the model's code), read from lm-eval's task files without importing
+    it (planning stays light); empty where lm-eval is not installed."""
+    import importlib.util
+    import re
+
+    found = importlib.util.find_spec("lm_eval")
+    if found is None or not found.submodule_search_locations:
+        return frozenset()
+    root = Path(next(iter(found.submodule_search_locations))) / "tasks"
+    files = {p: p.read_text(errors="replace") for p in root.rglob("*") if p.is_file() and
+             (p.suffix == ".yaml" or ("yaml" in p.name and not p.suffix))}  # fmt: skip
+
+    def unsafe(path, seen=()):
+        text = files.get(path, "")
+        if re.search(r"^unsafe_code:\s*true\b", text, re.M):
+            return True
+        return any(unsafe((path.parent / inc).resolve(), (*seen, path))
+                   for inc in re.findall(r"^include:\s*['\"]?([^'\"\s]+)", text, re.M)
+                   if (path.parent / inc).resolve() not in seen)  # fmt: skip
+
+    files = {p.resolve(): t for p, t in files.items()}
+    return frozenset(name for p, t in files.items() if "unsafe_code" in t or "include:" in t
+                     for name in re.findall(r"^task:\s*['\"]?([\w.-]+)", t, re.M) if name != "null" and unsafe(p))  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Projected:
     """One projected model of dimpo.downstream: the fit of ``objective`` at ``d_prime`` with
@@ -385,7 +412,7 @@ def _as_list(value):
 def _check_splits(p: Plan) -> None:
     """Every Hugging Face corpus's split ranges, as dimattn.data reads them (the schema's
     defaults filled: start 0, stop null for the end): complete, and no two overlapping."""
-    from .data import range_errors
+    from .splits import range_errors
 
     for name, spec in p.config["datasets"].items():
         if spec["source"] == "huggingface":
@@ -480,6 +507,7 @@ def check_references(p: Plan) -> None:
     for scale in p.lm_eval["scales"] or []:
         if scale not in scales:
             raise ConfigError("evaluation.lm_eval.scales", f"unknown scale {scale!r}; known: {sorted(scales)}")
+    _check_unsafe_tasks(p)
     if p.lm_eval["write_tasks_from"]:
         _need_dataset(p, "evaluation.lm_eval.write_tasks_from", p.lm_eval["write_tasks_from"])
         if p.is_synthetic(p.lm_eval["write_tasks_from"]):
@@ -538,6 +566,26 @@ def check_references(p: Plan) -> None:
             if name in seen:
                 raise ConfigError(key, f"repeats settings[{seen[name]}] ({name})")
             seen[name] = i
+
+
+def _check_unsafe_tasks(p: Plan) -> None:
+    """A task that runs the model's code needs evaluation.lm_eval.allow_unsafe_code; the
+    projected models' scoring (dimpo.downstream.tasks) never opts in."""
+    lm_tasks, ds_tasks = p.lm_eval["tasks"] if p.lm_eval_runs else [], p.downstream["tasks"] if p.dimpo_enabled else []
+    own = {f.stem for f in (Path(__file__).parent / "lm_eval_tasks").glob("*.yaml")}  # never unsafe
+    if all(t["name"] in own for t in [*lm_tasks, *ds_tasks]):
+        return
+    unsafe = unsafe_lm_eval_tasks()
+    for i, task in enumerate(lm_tasks):
+        if task["name"] in unsafe and not p.lm_eval["allow_unsafe_code"]:
+            raise ConfigError("evaluation.lm_eval.allow_unsafe_code",
+                              f"evaluation.lm_eval.tasks[{i}] {task['name']!r} executes the model's code (lm-eval "
+                              "unsafe_code): set allow_unsafe_code: true to opt in, or drop the task")
+    for i, task in enumerate(ds_tasks):
+        if task["name"] in unsafe:
+            raise ConfigError(f"dimpo.downstream.tasks[{i}].name",
+                              f"{task['name']!r} executes the model's code (lm-eval unsafe_code); only "
+                              "evaluation.lm_eval opts in to that (allow_unsafe_code)")
 
 
 def _check_recall_capture(p: Plan, i: int, spec: dict, run) -> None:

@@ -181,7 +181,9 @@ def score_params(wildcards):
 
 def lm_eval_params():
     lm = PLAN.lm_eval
-    return {k: lm[k] for k in ("tasks", "batch_size", "limit")}
+    return {
+        k: lm[k] for k in ("tasks", "batch_size", "limit", "allow_unsafe_code", "dtype")
+    }
 
 
 def model_dirs():

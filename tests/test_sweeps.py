@@ -122,6 +122,10 @@ BAD = {
                           "datasets.booksum.splits.test: splits 'train' and 'test' overlap"),
     "hf split empty range": (hf_dataset(THREE | {"test": {"split": "test", "start": 5, "stop": 5}}),
                              "datasets.booksum.splits.test: split 'test': need ints 0 <= start < stop"),
+    # lm-eval tasks that execute the model's code need the explicit opt-in
+    "unsafe lm_eval task": (lambda c: c["evaluation"]["lm_eval"]["tasks"].append({"name": "mbpp", "num_fewshot": 3}),
+                            "config key evaluation.lm_eval.allow_unsafe_code: evaluation.lm_eval.tasks[2] 'mbpp'"),
+    "unsafe downstream task": (lambda c: downstream(c, tasks=[{"name": "humaneval"}]), "dimpo.downstream.tasks[0].name"),
     "hf split missing": (hf_dataset({"train": {"split": "train"}, "test": {"split": "test"}}), "validation"),
     # schema: types, ranges, unknown keys, required keys
     "unknown variant": (add_sweep({"scale": "tiny", "attention": "sparse"}), "sparse"),
@@ -264,6 +268,18 @@ def test_hf_split_ranges_default_to_the_whole_split():
     pile = {"train": {"split": "train", "start": 20}, "validation": {"split": "train", "stop": 10},
             "test": {"split": "train", "start": 10, "stop": 20}}
     assert plan_of(mutated(hf_dataset(pile))).config["datasets"]["booksum"]["splits"]["train"]["stop"] is None
+
+
+def test_unsafe_code_is_an_explicit_opt_in():
+    """lm-eval's unsafe_code tasks are read off its task files (MBPP's include too); Table 4's MBPP
+    plans once evaluation.lm_eval.allow_unsafe_code is set, as configs/paper.yaml does."""
+    unsafe = sweeps.unsafe_lm_eval_tasks()
+    assert {"mbpp", "mbpp_plus", "humaneval"} <= unsafe and not unsafe & {"hellaswag", "gsm8k", "commonsense_qa"}
+    config = mutated(lambda c: c["evaluation"]["lm_eval"]["tasks"].append({"name": "mbpp", "num_fewshot": 3}))
+    config["evaluation"]["lm_eval"]["allow_unsafe_code"] = True
+    assert plan_of(config).lm_eval["allow_unsafe_code"] is True
+    assert sweeps.validate(DEFAULT)["evaluation"]["lm_eval"]["allow_unsafe_code"] is False
+    assert PAPER["evaluation"]["lm_eval"]["allow_unsafe_code"] is True
 
 
 def test_sweep_errors_carry_the_key():
