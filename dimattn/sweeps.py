@@ -310,6 +310,10 @@ class Plan:
         """The corpus a dimpo model of ours was trained on (a recall run's: its capture and probe)."""
         return self.runs[self.dimpo_models[model]["run"]].dataset
 
+    def capture_split(self, purpose: str) -> str:
+        """The split a capture reads: dimpo.capture.fit_split to fit on, the test split to score."""
+        return self.dimpo["capture"]["fit_split"] if purpose == "fit" else "test"
+
     def dimpo_capture(self, model: str) -> dict:
         """dimpo.capture with the model's own overrides."""
         return self.dimpo["capture"] | self.dimpo_models[model].get("capture", {})
@@ -596,7 +600,7 @@ def _check_recall_capture(p: Plan, i: int, spec: dict, run) -> None:
         raise ConfigError(f"dimpo.models[{i}].capture.seq_len",
                           f"{capture['seq_len']} is not the example length {data['seq_len']} of {run.dataset!r}, "
                           f"which run {spec['run']!r} is captured on")  # fmt: skip
-    for purpose, split in (("fit_sequences", "validation"), ("eval_sequences", "test")):
+    for purpose, split in (("fit_sequences", p.capture_split("fit")), ("eval_sequences", "test")):
         if capture[purpose] > data[f"n_{split}"]:
             raise ConfigError(f"dimpo.models[{i}].capture.{purpose}",
                               f"{capture[purpose]} exceeds the {data[f'n_{split}']} {split} examples of "

@@ -282,6 +282,20 @@ def test_unsafe_code_is_an_explicit_opt_in():
     assert PAPER["evaluation"]["lm_eval"]["allow_unsafe_code"] is True
 
 
+def test_dimpo_fits_on_the_configured_split():
+    """Seed 003 (3.3) and lanzv/dimpo fit on the train split (configs/paper.yaml); the CPU
+    default keeps validation, so its outputs mean what they did."""
+    assert plan_of(DEFAULT).capture_split("fit") == "validation" and plan_of(DEFAULT).capture_split("eval") == "test"
+    assert PAPER["dimpo"]["capture"]["fit_split"] == "train"
+    config = mutated(lambda c: (c["dimpo"]["capture"].update(fit_split="train"), c["dimpo"]["models"].append(
+        RECALL_MODEL | {"capture": {"seq_len": 64, "fit_sequences": 300}})))
+    plan = plan_of(config)  # 300 of recall's 40,000 train examples, more than its 256 validation ones
+    assert plan.capture_split("fit") == "train"
+    config["dimpo"]["capture"]["fit_split"] = "validation"
+    with pytest.raises(sweeps.ConfigError, match="300 exceeds the 256 validation examples"):
+        plan_of(config)
+
+
 def test_sweep_errors_carry_the_key():
     with pytest.raises(sweeps.ConfigError) as err:
         plan_of(mutated(add_sweep({"scale": "tiny", "attention": "swa", "window": 8, "dilation": 2})))
