@@ -185,3 +185,33 @@ def test_a_kept_lm_eval_result_of_another_model_is_scored_again(scored_run, tmp_
     DimAttnForCausalLM.from_pretrained(scored_run).save_pretrained(scored_run)  # retrained: new files
     evaluation.lm_eval_results(scored_run, tasks, 2, 2, partial_dir=partial)
     assert calls == [[evaluation.NEXT_LINE_TASK]]
+
+
+def test_lm_eval_gets_each_tasks_dtype_batch_and_chat_template(tmp_path, monkeypatch):
+    """The authors' RULER runs (bfloat16, batch 1, chat template) and harness runs (bfloat16,
+    batch 32) reach lm-eval's hf model as configured; the model loads once a (dtype, batch)."""
+    import lm_eval
+    import lm_eval.api.registry as registry
+
+    loads, runs = [], []
+
+    class FakeHF:
+        @staticmethod
+        def create_from_arg_obj(args, extra):
+            loads.append((args["dtype"], extra["batch_size"]))
+            return ("lm", args["dtype"], extra["batch_size"])
+
+    monkeypatch.setattr(registry, "get_model", lambda name: FakeHF)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: runs.append(
+        (kw["tasks"][0], kw["model"], kw["apply_chat_template"], kw["num_fewshot"])) or {"results": {}, "configs": {}})
+    (tmp_path / "config.json").write_text("{}")
+    tasks = [{"name": "niah_single_1", "batch_size": 1, "chat_template": True, "dtype": "bfloat16"},
+             {"name": "hellaswag", "batch_size": 32, "dtype": "bfloat16"},
+             {"name": "ruler_vt", "batch_size": 1, "chat_template": True, "dtype": "bfloat16"},
+             {"name": "dimattn_heldout"}]
+    evaluation.lm_eval_results(tmp_path, tasks, batch_size=8, limit=None)
+    assert sorted(loads) == [("bfloat16", 1), ("bfloat16", 32), ("float32", 8)]
+    assert sorted(runs) == [("dimattn_heldout", ("lm", "float32", 8), False, 0),
+                            ("hellaswag", ("lm", "bfloat16", 32), False, 0),
+                            ("niah_single_1", ("lm", "bfloat16", 1), True, 0),
+                            ("ruler_vt", ("lm", "bfloat16", 1), True, 0)]
