@@ -255,6 +255,12 @@ def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_js
     return done
 
 
+def downstream_tasks(tasks: list[dict], d_prime: int) -> list[dict]:
+    """The dimpo.downstream.tasks a projected model of width ``d_prime`` is scored on: those
+    whose ``d_prime`` lists it (or that give none); the base model (d' 0) takes every task."""
+    return [t for t in tasks if not d_prime or d_prime in t.get("d_prime", [d_prime])]
+
+
 def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_len: int, batch_size: int,
                     max_tokens: int | None, tasks: list[dict], limit: int | None, out_json: Path,
                     metadata: dict | None = None, device: str = "cpu",
@@ -263,8 +269,9 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
     perplexity per corpus ({corpus: tokens.bin}), the recall probe per synthetic corpus
     ({corpus: test tokens.bin}; the context prefilled and the questions decoded through the
     model's KV cache, so that KV compression acts: dimattn.recall.score_recall, seed 003's RULER
-    at CPU scale) and lm-eval's `hf` model on ``tasks``; JSON with ``fields`` (model, objective,
-    d', l, kv, ...) beside."""
+    at CPU scale) and lm-eval's `hf` model on those of ``tasks`` that score its d'
+    (downstream_tasks); JSON with ``fields`` (model, objective, d', l, kv, ...)
+    beside."""
     from .recall import load_examples, score_recall
 
     for path in (recall or {}).values():
@@ -277,6 +284,7 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
         for corpus, path in (recall or {}).items():
             record["recall"][corpus] = score_recall(model, path, batch_size, through_cache=True)
         del model
+    tasks = downstream_tasks(tasks, fields.get("d_prime", 0))  # a task's d_prime: the widths it scores
     if tasks:
         record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata))
     _write_json(record, out_json)

@@ -302,9 +302,10 @@ class Plan:
         return "run" in spec and self.runs[spec["run"]].model["attention"] != "vanilla"
 
     def dimpo_layers(self, model: str) -> int | None:
-        """The layers of a dimpo model of ours; None for a hub model (known once it loads)."""
+        """The layers of a dimpo model: our run's, or a hub model's num_hidden_layers where the
+        config gives it (else None: known once it loads)."""
         spec = self.dimpo_models[model]
-        return self.runs[spec["run"]].model["num_hidden_layers"] if "run" in spec else None
+        return self.runs[spec["run"]].model["num_hidden_layers"] if "run" in spec else spec.get("num_hidden_layers")
 
     def dimpo_run_dataset(self, model: str) -> str:
         """The corpus a dimpo model of ours was trained on (a recall run's: its capture and probe)."""
@@ -332,7 +333,7 @@ class Plan:
         if not (self.dimpo_enabled and ds["objectives"]):
             return []
         generative = self.dimpo_probe(model) != "text" and not self.keeps_own_cache(model)
-        kvs = [{"name": NO_KV}] + (ds["kv"] if generative else [])
+        kvs = [{"name": NO_KV}] + [kv for kv in ds["kv"] if generative and model in kv.get("models", [model])]
         main = setting_name(self.dimpo["settings"][0])
         projected = [Projected(BASE_OBJECTIVE, 0, 0, kv["name"]) for kv in kvs] + [
             Projected(objective, d, l, kv["name"], seed, main)
@@ -342,11 +343,21 @@ class Plan:
             for kv in kvs
             for seed in self.dimpo["seeds"]
             if objective in kv.get("objectives", [objective]) and l in kv.get("num_projected", [l])
+            and d in kv.get("d_prime", [d])
         ]
         for entry in ds["studies"]:  # e.g. Table 6's settings at the depth of its RULER column
-            study = self.dimpo["ablations"][entry["study"]]
             if model not in entry.get("models", self.study_models(entry["study"])):
                 continue
+            if entry["study"] == MAIN_STUDY:  # Table 1's fits at more l (Table 6's DimPO + KL cell)
+                projected += [
+                    Projected(objective, d, l, NO_KV, seed, main)
+                    for objective in entry.get("objectives", self.grid(model, "objectives"))
+                    for d in entry.get("d_prime", ds["d_prime"])
+                    for l in entry["num_projected"]
+                    for seed in self.dimpo["seeds"]
+                ]
+                continue
+            study = self.dimpo["ablations"][entry["study"]]
             projected += [
                 Projected(objective, d, l, NO_KV, seed, setting_name(overrides), entry["study"])
                 for overrides in study["settings"]
@@ -355,7 +366,7 @@ class Plan:
                 for l in entry["num_projected"]
                 for seed in self.dimpo["seeds"]
             ]
-        return projected
+        return list(dict.fromkeys(projected))
 
     @property
     def latency(self) -> dict | None:
@@ -525,7 +536,15 @@ def check_references(p: Plan) -> None:
     _need_dataset(p, "dimpo.dataset", p.dimpo["dataset"])
     for i, spec in enumerate(p.dimpo["models"]):
         if "run" not in spec:
+            deep = [l for l in p.num_projected(spec["name"]) if spec.get("num_hidden_layers", l) < l]
+            if deep and p.downstream["objectives"]:
+                where = f"dimpo.models[{i}].num_projected" if "num_projected" in spec else "dimpo.downstream.num_projected"
+                raise ConfigError(where, f"l={deep[0]} exceeds the {spec['num_hidden_layers']} layers of "
+                                         f"{spec['hub']!r} (dimpo.models[{i}].num_hidden_layers)")
             continue
+        if "num_hidden_layers" in spec:
+            raise ConfigError(f"dimpo.models[{i}].num_hidden_layers",
+                              f"run {spec['run']!r} has its own layers (its scale's architecture)")
         key = f"dimpo.models[{i}].run"
         if spec["run"] not in p.runs:
             raise ConfigError(key, f"unknown run {spec['run']!r}; known: {sorted(p.runs)}")
@@ -611,9 +630,12 @@ def _check_downstream(p: Plan) -> None:
     ds = p.downstream
     if not ds["objectives"]:
         return
-    for key in ("d_prime", "num_projected"):
-        if not ds[key]:
-            raise ConfigError(f"dimpo.downstream.{key}", "required when dimpo.downstream.objectives names one")
+    if not ds["d_prime"]:
+        raise ConfigError("dimpo.downstream.d_prime", "required when dimpo.downstream.objectives names one")
+    bare = [m for m in p.dimpo_models if not p.num_projected(m)]
+    if bare:
+        raise ConfigError("dimpo.downstream.num_projected", f"required when dimpo.downstream.objectives names one "
+                                                            f"and a model sets none ({bare[0]!r})")
     for key in ("objectives", "d_prime"):
         for model in p.dimpo_models:
             unknown = [v for v in ds[key] if v not in p.grid(model, key)]
@@ -628,12 +650,29 @@ def _check_downstream(p: Plan) -> None:
         raise ConfigError("dimpo.downstream.metadata.max_seq_lengths",
                           f"RULER tasks ({ruler[0]}, ...) need lengths of at least {RULER_MIN_LENGTH}, got "
                           f"{ds['metadata'].get('max_seq_lengths')}: shorter, ruler_vt never ends")
+    for i, task in enumerate(ds["tasks"]):
+        stray = [d for d in task.get("d_prime", []) if d not in ds["d_prime"]]
+        if stray:
+            raise ConfigError(f"dimpo.downstream.tasks[{i}].d_prime",
+                              f"{stray[0]} is not among dimpo.downstream.d_prime {ds['d_prime']}: no projected model "
+                              "of that width is made")  # fmt: skip
     for i, entry in enumerate(ds["studies"]):
         key = f"dimpo.downstream.studies[{i}]"
-        if entry["study"] not in p.dimpo["ablations"]:
+        if entry["study"] == MAIN_STUDY:
+            for model in entry.get("models", p.dimpo_models):
+                for name, known in (("objectives", p.grid(model, "objectives")), ("d_prime", p.grid(model, "d_prime"))):
+                    stray = [v for v in entry.get(name, []) if v not in known]
+                    if stray:
+                        raise ConfigError(f"{key}.{name}", f"{stray[0]!r} is not fitted for {model!r} ({known})")
+        elif entry["study"] not in p.dimpo["ablations"]:
             raise ConfigError(f"{key}.study", f"{entry['study']!r} is not a study of dimpo.ablations "
-                                              f"({sorted(p.dimpo['ablations'])})")
-        fitted = p.study_models(entry["study"])
+                                              f"({sorted(p.dimpo['ablations'])}) nor {MAIN_STUDY}")
+        else:
+            extra = [k for k in ("objectives", "d_prime") if k in entry]
+            if extra:
+                raise ConfigError(f"{key}.{extra[0]}", f"only a {MAIN_STUDY} entry chooses its {extra[0]}; "
+                                                       f"{entry['study']!r} projects its own")
+        fitted = list(p.dimpo_models) if entry["study"] == MAIN_STUDY else p.study_models(entry["study"])
         for model in entry.get("models", fitted):
             if model not in fitted:
                 raise ConfigError(f"{key}.models", f"{model!r} is not fitted in {entry['study']!r} ({fitted})")
@@ -645,11 +684,14 @@ def _check_downstream(p: Plan) -> None:
     for i, spec in enumerate(ds["kv"]):
         key = f"dimpo.downstream.kv[{i}]"
         depths = {l for model in p.dimpo_models for l in p.num_projected(model)}
-        for name, known in (("objectives", ds["objectives"]), ("num_projected", depths)):
+        for name, known in (("objectives", ds["objectives"]), ("num_projected", depths), ("d_prime", ds["d_prime"])):
             stray = [v for v in spec.get(name, []) if v not in known]
             if stray:
                 raise ConfigError(f"{key}.{name}", f"{stray[0]!r} is not among the downstream {name} "
                                                    f"({sorted(known) if name == 'num_projected' else known})")
+        stray = [m for m in spec.get("models", []) if m not in p.dimpo_models]
+        if stray:
+            raise ConfigError(f"{key}.models", f"{stray[0]!r} is not in dimpo.models ({list(p.dimpo_models)})")
         if spec["name"] in names[:i] or spec["name"] == NO_KV:
             raise ConfigError(f"{key}.name", f"{spec['name']!r} is taken")
         if "snapkv" in spec:

@@ -207,6 +207,32 @@ BAD = {
         "dimpo.downstream.objectives: 'kl' is not fitted for 'recall-vanilla' (dimpo.models[1].objectives"),
     "a model's d_prime > its head_dim": (lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"d_prime": [64]}),
                                          "dimpo.models[1].d_prime: 64 exceeds the head dimension 32"),
+    "hub model l > its layers": (
+        lambda c: (downstream(c), c["dimpo"]["models"].append(
+            {"name": "llama", "hub": "meta-llama/Llama-3.2-3B-Instruct", "num_hidden_layers": 28,
+             "num_projected": [2, 32]})),
+        "dimpo.models[1].num_projected: l=32 exceeds the 28 layers of 'meta-llama/Llama-3.2-3B-Instruct'"),
+    "hub model default l > its layers": (
+        lambda c: (downstream(c, num_projected=[2, 6]), c["dimpo"]["models"].__setitem__(
+            0, {"name": "llama", "hub": "meta-llama/Llama-3.2-3B-Instruct", "num_hidden_layers": 4})),
+        "dimpo.downstream.num_projected: l=6 exceeds the 4 layers"),
+    "layers of one of our runs": (lambda c: c["dimpo"]["models"][0].update(num_hidden_layers=4),
+                                  "dimpo.models[0].num_hidden_layers"),
+    "downstream task d_prime not made": (lambda c: downstream(c, tasks=[{"name": "dimattn_heldout", "d_prime": [8]}]),
+                                         "dimpo.downstream.tasks[0].d_prime: 8 is not among dimpo.downstream.d_prime"),
+    "kv of an unknown model": (lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2}, "models": ["gpt"]}]),
+                               "dimpo.downstream.kv[0].models"),
+    "kv d_prime not made": (lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2}, "d_prime": [2]}]),
+                            "dimpo.downstream.kv[0].d_prime"),
+    "table1 study objective not fitted": (
+        lambda c: downstream(c, studies=[{"study": "table1", "objectives": ["dimpo_kl"], "num_projected": [2]}]),
+        "dimpo.downstream.studies[0].objectives: 'dimpo_kl' is not fitted for 'tiny-vanilla'"),
+    "table1 study d_prime not fitted": (
+        lambda c: downstream(c, studies=[{"study": "table1", "d_prime": [3], "num_projected": [2]}]),
+        "dimpo.downstream.studies[0].d_prime"),
+    "ablation study choosing objectives": (
+        lambda c: downstream(c, studies=[{"study": "quirks", "objectives": ["kl"], "num_projected": [2]}]),
+        "dimpo.downstream.studies[0].objectives: only a table1 entry"),
     "downstream study unknown": (lambda c: downstream(c, studies=[{"study": "table7", "num_projected": [2]}]),
                                  "dimpo.downstream.studies[0].study"),
     "downstream study too deep": (lambda c: downstream(c, studies=[{"study": "quirks", "num_projected": [9]}]),
@@ -294,6 +320,40 @@ def test_dimpo_fits_on_the_configured_split():
     config["dimpo"]["capture"]["fit_split"] = "validation"
     with pytest.raises(sweeps.ConfigError, match="300 exceeds the 256 validation examples"):
         plan_of(config)
+
+
+def test_the_paper_grids_reach_every_layer_as_the_authors_ran_them():
+    """configs/paper.yaml: each hub model's l to 100 % of its layers with Table 4's shares as
+    lanzv/dimpo rounded them; harness tasks at d' 64, 16, 4, 1, RULER at 64; Table 5 on
+    Llama-3.1-8B alone; Table 6's KL and DimPO + KL projected where its ablation is."""
+    from dimattn.evaluation import downstream_tasks
+
+    config = copy.deepcopy(DEFAULT)
+    for key, value in PAPER.items():  # Snakemake's --configfile merge: mappings merge, the rest replaces
+        config[key] = config[key] | value if isinstance(value, dict) and key != "dimpo" else value
+    config["dimpo"] = DEFAULT["dimpo"] | PAPER["dimpo"]
+    plan = plan_of(config)
+    layers = {"llama-3.1-8b-instruct": 32, "qwen3-4b-instruct": 36, "llama-3.2-3b-instruct": 28,
+              "qwen2.5-7b-instruct": 28}
+    table4 = {32: {8, 12, 16}, 36: {9, 15, 18}, 28: {7, 12, 14}}
+    for model, n in layers.items():
+        grid = plan.num_projected(model)
+        assert plan.dimpo_layers(model) == n and max(grid) == n and table4[n] <= set(grid), (model, grid)
+        projected = plan.projected(model)
+        assert {p.d_prime for p in projected if p.study == "table1" and p.kv == "none"} == {0, 64, 16, 4, 1}
+        kvs = {p.kv for p in projected}
+        assert kvs == ({"none", "snapkv1024", "snapkv2048", "kivi2", "kivi4"} if n == 32 else {"none"})
+    l6 = {"llama-3.1-8b-instruct": 20, "qwen3-4b-instruct": 24}
+    for model, l in l6.items():
+        at = {(p.objective, p.study) for p in plan.projected(model) if p.num_projected == l and p.d_prime == 64}
+        assert {("kl", "table1"), ("dimpo_kl", "table1"), ("dimpo", "table6")} <= at
+    assert not any(p.objective == "dimpo_kl" for p in plan.projected("llama-3.2-3b-instruct"))
+    tasks = plan.downstream["tasks"]
+    assert [t["name"] for t in downstream_tasks(tasks, 4)] == ["hellaswag", "arc_challenge", "mmlu",
+                                                               "truthfulqa_mc2", "winogrande"]
+    assert downstream_tasks(tasks, 64) == tasks == downstream_tasks(tasks, 0)  # the base model: every task
+    assert {t["dtype"] for t in tasks} == {"bfloat16"}
+    assert all(t["batch_size"] == 1 and t["chat_template"] for t in tasks if t["name"] in sweeps.RULER_TASKS)
 
 
 def test_sweep_errors_carry_the_key():
