@@ -165,9 +165,12 @@ def fixed_windows(tokens: np.ndarray, n: int, seq_len: int, example_len: int | N
 
 
 def build_model(model_spec: dict, tokenizer, seq_len: int) -> DimAttnForCausalLM:
+    spec = dict(model_spec)
+    # GPT-NeoX pads the embedding and LM head to a multiple of rows (Pythia: 128, so 50,277 -> 50,304)
+    multiple = spec.pop("make_vocab_size_divisible_by", 1)
     config = DimAttnConfig(
-        **model_spec,
-        vocab_size=len(tokenizer),
+        **spec,
+        vocab_size=-(-len(tokenizer) // multiple) * multiple,
         max_position_embeddings=seq_len,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -356,6 +356,15 @@ def test_the_paper_grids_reach_every_layer_as_the_authors_ran_them():
     assert all(t["batch_size"] == 1 and t["chat_template"] for t in tasks if t["name"] in sweeps.RULER_TASKS)
 
 
+def test_paper_pretraining_follows_pythias_configs():
+    """Pythia's padded vocabulary (GPT-NeoX's make_vocab_size_divisible_by 128) at every paper
+    scale, none at CPU scale; the d = 2048 model at Pythia-1B's lr 2.5e-4 / 2.5e-5."""
+    scales = PAPER["pretraining"]["scales"]
+    assert {s["architecture"]["make_vocab_size_divisible_by"] for s in scales.values()} == {128}
+    assert (scales["pythia-1b"]["training"]["lr"], scales["pythia-1b"]["training"]["min_lr"]) == (2.5e-4, 2.5e-5)
+    assert {r.model["make_vocab_size_divisible_by"] for r in plan_of(DEFAULT).runs.values()} == {1}
+
+
 def test_sweep_errors_carry_the_key():
     with pytest.raises(sweeps.ConfigError) as err:
         plan_of(mutated(add_sweep({"scale": "tiny", "attention": "swa", "window": 8, "dilation": 2})))

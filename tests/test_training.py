@@ -350,3 +350,25 @@ def test_benchmark_sums_snakemake_benchmark_files_per_rule(tmp_path, capsys):
     assert list(per_rule)[:2] == ["pretrain", "score_text"]  # largest first
     total = lines[-1]
     assert total["name"] == "dag_total_seconds" and total["wall_s"] == sum(per_rule.values()) and total["jobs"] == 7
+
+
+class _PythiaTokenizer:
+    """len() and the special ids of Pythia's tokenizer, EleutherAI/gpt-neox-20b's 50,277 tokens."""
+
+    bos_token_id = eos_token_id = 0
+    pad_token_id = None
+
+    def __len__(self):
+        return 50277
+
+
+def test_the_vocabulary_is_padded_as_gpt_neox_pads_it():
+    """make_vocab_size_divisible_by 128 (Pythia, configs/paper.yaml): 50,277 tokens become 50,304
+    rows and Pythia-70M's 70,426,624 parameters; 1 (the default) keeps len(tokenizer)."""
+    pythia = {"hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "attention": "vanilla"}
+    padded = training.build_model(pythia | {"make_vocab_size_divisible_by": 128}, _PythiaTokenizer(), 2048)
+    assert padded.config.vocab_size == 50304 and sum(p.numel() for p in padded.parameters()) == 70_426_624
+    assert not hasattr(padded.config, "make_vocab_size_divisible_by")  # a build setting, not the model's
+    assert training.build_model(pythia, _PythiaTokenizer(), 2048).config.vocab_size == 50277
+    small = MODEL | {"make_vocab_size_divisible_by": 7}
+    assert training.build_model(small, _PythiaTokenizer(), 16).config.vocab_size == 50281
