@@ -135,9 +135,47 @@ def _fingerprint(model_dir: Path) -> dict:
     return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(Path(model_dir).iterdir()) if p.is_file()}
 
 
+def long_enough_samples(lm, manager, name: str, shots: int, chat: bool, limit: int | None,
+                        min_tokens: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:  # fmt: skip
+    """Seed 000 Table 4 "exclude[s] samples whose input context is shorter than the window": the
+    documents of task ``name`` (each subtask of a group) whose context, the few-shot examples
+    included, has at least ``min_tokens`` tokens of the model's tokenizer, as lm-eval's
+    ``samples`` ({subtask: doc indices}), and {subtask: [kept, of]}.
+
+    The contexts are lm-eval's own (its requests, built as simple_evaluate builds them: the
+    task's num_fewshot rule, the fixed few-shot seed). A subset draws its few-shot examples anew,
+    so the selection is repeated on the subset until every kept context is long enough."""
+    from lm_eval.defaults import DEFAULT_OTHER_SEED
+    from lm_eval.evaluator_utils import get_sample_size
+
+    samples, counts = {}, {}
+    for sub, task in manager.load([name])["tasks"].items():
+        if task.get_config("num_fewshot") != 0:  # simple_evaluate keeps a task's own 0
+            task.set_config(key="num_fewshot", value=shots)
+        keep, total = None, None
+        for _ in range(8):
+            task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
+            task.build_all_requests(limit=get_sample_size(task, limit) if keep is None else None, samples=keep,
+                                    rank=0, world_size=1, apply_chat_template=chat, fewshot_as_multiturn=True,
+                                    chat_template=lm.apply_chat_template if chat else None,
+                                    tokenizer_name=lm.tokenizer_name if chat else "")  # fmt: skip
+            lengths = {inst.doc_id: len(lm.tok_encode(inst.args[0])) for inst in task.instances}
+            total = len(lengths) if total is None else total
+            index = keep if keep is not None else sorted(lengths)  # with samples, doc ids count the subset
+            kept = [index[d] for d, n in sorted(lengths.items()) if n >= min_tokens]
+            if not kept:
+                raise ValueError(f"lm-eval task {sub}: no document's context has {min_tokens} tokens or more "
+                                 "(evaluation.lm_eval.exclude_shorter_than_window)")
+            if kept == keep:
+                break
+            keep = kept
+        samples[sub], counts[sub] = keep, [len(keep), total]
+    return samples, counts
+
+
 def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, device: str = "cpu",
                     dtype: str = "float32", metadata: dict | None = None, allow_unsafe_code: bool = False,
-                    partial_dir: Path | None = None) -> dict:  # fmt: skip
+                    partial_dir: Path | None = None, min_context: int | None = None) -> dict:  # fmt: skip
     """lm-eval's own `hf` model on ``model_dir``: {"results": ..., "num_fewshot": ...}.
 
     tasks = [{"name", "num_fewshot", "batch_size", "chat_template", "dtype"}] (the last three
@@ -149,7 +187,9 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
 
     One task at a time, each written to ``partial_dir/<task>.json`` as it finishes (with the
     model's fingerprint): a failing task loses nothing else, and a rerun scores only the tasks
-    missing there. Every task is tried before the first failure is raised."""
+    missing there. Every task is tried before the first failure is raised. ``min_context``:
+    only documents whose context has that many tokens (long_enough_samples; the record's
+    "context_filter" gives {subtask: [kept, of]})."""
     import lm_eval
     from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
@@ -164,7 +204,7 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
         metadata={"tokenizer": str(model_dir), **(metadata or {})} if metadata else None,
     )  # fmt: skip
     fingerprint = _fingerprint(model_dir)
-    results, configs, failed = {}, {}, {}
+    results, configs, failed, filtered = {}, {}, {}, {}
     lm, lm_key = None, None
 
     def key(t):
@@ -173,13 +213,14 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
 
     # grouped by model settings, so the model loads once a (dtype, batch size)
     for t in sorted(tasks, key=key):
-        spec = {"task": t, "limit": limit, "metadata": metadata or {}, "model": fingerprint}
+        spec = {"task": t, "limit": limit, "metadata": metadata or {}, "model": fingerprint, "min_context": min_context}
         partial = Path(partial_dir) / f"{t['name']}.json" if partial_dir is not None else None
         if partial is not None and partial.is_file():
             done = json.loads(partial.read_text())
             if done.get("spec") == _jsonable(spec):
                 results.update(done["results"])
                 configs.update(done["num_fewshot"])
+                filtered.update(done["context_filter"])
                 continue
         task_dtype, size, shots, chat = key(t)
         try:
@@ -190,13 +231,17 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
                     {"batch_size": size, "device": device},
                 )  # fmt: skip
                 lm_key = (task_dtype, size)
+            samples, counts = None, {}
+            if min_context:
+                samples, counts = long_enough_samples(lm, manager, t["name"], shots, chat, limit, min_context)
             out = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=[t["name"]],
                 num_fewshot=shots,
                 batch_size=size,
                 device=device,
-                limit=limit,
+                limit=None if samples else limit,  # lm-eval takes one of the two; limit is in samples
+                samples=samples,
                 task_manager=manager,
                 apply_chat_template=chat,
                 log_samples=False,
@@ -209,26 +254,31 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
             traceback.print_exc()
             failed[t["name"]] = f"{type(e).__name__}: {e}"
             continue
-        done = {"spec": spec, "results": _jsonable(out["results"]),
+        done = {"spec": spec, "results": _jsonable(out["results"]), "context_filter": counts,
                 "num_fewshot": {k: v.get("num_fewshot") for k, v in out.get("configs", {}).items()}}  # fmt: skip
         if partial is not None:
             _write_json(done, partial)
         results.update(done["results"])
         configs.update(done["num_fewshot"])
+        filtered.update(counts)
     if failed:
         kept = f"; the others are kept in {partial_dir}, and a rerun scores only the failed" if partial_dir else ""
         raise RuntimeError(f"lm-eval tasks failed on {model_dir}: {failed}{kept}")
-    return {"results": _jsonable(results), "num_fewshot": configs}
+    return {"results": _jsonable(results), "num_fewshot": configs} | ({"context_filter": filtered} if min_context else {})
 
 
 def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
                 device: str = "cpu", dtype: str = "float32", allow_unsafe_code: bool = False,
-                partial_dir: Path | None = None) -> dict:  # fmt: skip
+                partial_dir: Path | None = None, exclude_shorter_than_window: bool = False) -> dict:  # fmt: skip
     """lm_eval_results of one of our runs, with its run fields, as JSON; the per-task partial
-    results (``partial_dir``) are removed once the whole record is written."""
-    record = {**run_metadata(model_dir), **lm_eval_results(model_dir, tasks, batch_size, limit, device, dtype,
-                                                           allow_unsafe_code=allow_unsafe_code,
-                                                           partial_dir=partial_dir)}  # fmt: skip
+    results (``partial_dir``) are removed once the whole record is written.
+    ``exclude_shorter_than_window``: seed 000 Table 4's filter at the run's window (a run without
+    one, or with w = 0, keeps every document)."""
+    meta = run_metadata(model_dir)
+    window = meta.get("window") if exclude_shorter_than_window else None
+    record = {**meta, **lm_eval_results(model_dir, tasks, batch_size, limit, device, dtype,
+                                        allow_unsafe_code=allow_unsafe_code, partial_dir=partial_dir,
+                                        min_context=window or None)}  # fmt: skip
     _write_json(record, out_json)
     if partial_dir is not None:
         shutil.rmtree(partial_dir, ignore_errors=True)

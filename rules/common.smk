@@ -182,7 +182,15 @@ def score_params(wildcards):
 def lm_eval_params():
     lm = PLAN.lm_eval
     return {
-        k: lm[k] for k in ("tasks", "batch_size", "limit", "allow_unsafe_code", "dtype")
+        k: lm[k]
+        for k in (
+            "tasks",
+            "batch_size",
+            "limit",
+            "allow_unsafe_code",
+            "dtype",
+            "exclude_shorter_than_window",
+        )
     }
 
 

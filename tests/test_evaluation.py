@@ -215,3 +215,30 @@ def test_lm_eval_gets_each_tasks_dtype_batch_and_chat_template(tmp_path, monkeyp
                             ("hellaswag", ("lm", "bfloat16", 32), False, 0),
                             ("niah_single_1", ("lm", "bfloat16", 1), True, 0),
                             ("ruler_vt", ("lm", "bfloat16", 1), True, 0)]
+
+
+def test_table4_scores_only_documents_whose_context_reaches_the_window(scored_run, tmp_path):
+    """Seed 000 Table 4 excludes samples whose input context is shorter than the window: lm-eval
+    scores exactly the next-line choices whose context ("{{context}}\\n", 0-shot) has at least w
+    tokens, and records how many it kept."""
+    from transformers import AutoTokenizer
+
+    from dimattn import paths
+
+    tok = AutoTokenizer.from_pretrained(scored_run)
+    rows = [json.loads(line) for line in Path(paths.lm_eval_data(evaluation.NEXT_LINE_TASK)).read_text().splitlines()]
+    lengths = sorted(len(tok.encode(r["context"] + "\n", add_special_tokens=False)) for r in rows)
+    window = lengths[len(lengths) // 2]  # about half the documents are shorter
+    expected = sum(n >= window for n in lengths)
+    assert 0 < expected < len(rows)
+    tasks = [{"name": evaluation.NEXT_LINE_TASK}]
+    full = evaluation.lm_eval_results(scored_run, tasks, 2, None)
+    short = evaluation.lm_eval_results(scored_run, tasks, 2, None, min_context=window)
+    assert "context_filter" not in full
+    assert short["context_filter"] == {evaluation.NEXT_LINE_TASK: [expected, len(rows)]}
+    assert short["results"] != full["results"]
+    with pytest.raises(RuntimeError, match="no document.s context has 10000 tokens"):
+        evaluation.lm_eval_results(scored_run, tasks, 2, None, min_context=10_000)
+    # run_lm_eval takes the window from the run: a vanilla run has none, so keeps every document
+    record = evaluation.run_lm_eval(scored_run, tasks, 2, None, tmp_path / "out.json", exclude_shorter_than_window=True)
+    assert record["window"] is None and "context_filter" not in record and record["results"] == full["results"]
