@@ -357,10 +357,13 @@ def test_the_paper_grids_reach_every_layer_as_the_authors_ran_them():
 
 
 def test_paper_pretraining_follows_pythias_configs():
-    """Pythia's padded vocabulary (GPT-NeoX's make_vocab_size_divisible_by 128) at every paper
-    scale, none at CPU scale; the d = 2048 model at Pythia-1B's lr 2.5e-4 / 2.5e-5."""
+    """Pythia's padded vocabulary (GPT-NeoX's make_vocab_size_divisible_by 128) and fixed data
+    order at every paper scale, neither at CPU scale; the d = 2048 model at Pythia-1B's lr 2.5e-4
+    / 2.5e-5."""
     scales = PAPER["pretraining"]["scales"]
     assert {s["architecture"]["make_vocab_size_divisible_by"] for s in scales.values()} == {128}
+    assert {s["training"]["data_order"] for s in scales.values()} == {"sequential"}
+    assert {r.training["data_order"] for r in plan_of(DEFAULT).runs.values()} == {"random"}
     assert (scales["pythia-1b"]["training"]["lr"], scales["pythia-1b"]["training"]["min_lr"]) == (2.5e-4, 2.5e-5)
     assert {r.model["make_vocab_size_divisible_by"] for r in plan_of(DEFAULT).runs.values()} == {1}
 

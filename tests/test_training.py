@@ -372,3 +372,27 @@ def test_the_vocabulary_is_padded_as_gpt_neox_pads_it():
     assert training.build_model(pythia, _PythiaTokenizer(), 2048).config.vocab_size == 50277
     small = MODEL | {"make_vocab_size_divisible_by": 7}
     assert training.build_model(small, _PythiaTokenizer(), 16).config.vocab_size == 50281
+
+
+def test_sequential_order_reads_every_window_once_in_order_then_again():
+    """training.data_order sequential (Pythia's fixed order): consecutive windows, none twice
+    within an epoch, the next epoch in the same order; whole examples stay whole."""
+    cfg = replace(CFG, data_order="sequential")  # batch 8 of 16 tokens
+    n_tokens = 16 * 20 + 5  # 20 whole windows, 5 tokens left over
+    starts = torch.cat([batch_starts(n_tokens, cfg, step) for step in range(5)])
+    assert starts[:20].tolist() == list(range(0, 320, 16)) and starts[20:].tolist() == starts[:20].tolist()
+    assert int(starts.max()) + 16 <= n_tokens
+    assert torch.equal(batch_starts(n_tokens, replace(cfg, seed=3), 2), batch_starts(n_tokens, cfg, 2))
+    assert batch_starts(64 * 10, replace(cfg, seq_len=64), 1, example_len=64).tolist() == [512, 576, 0, 64, 128,
+                                                                                           192, 256, 320]
+    with pytest.raises(TrainingError, match="data_order"):
+        TrainConfig(data_order="shuffled")
+
+
+def test_a_sequential_run_trains_on_its_own_batches(corpus, tmp_path):
+    sequential = train(corpus, tmp_path / "sequential", replace(CFG, data_order="sequential"))
+    drawn = train(corpus, tmp_path / "random", CFG)
+    a, b = load_file(sequential / "model.safetensors"), load_file(drawn / "model.safetensors")
+    assert a.keys() == b.keys() and not all(torch.equal(a[k], b[k]) for k in a)
+    again = train(corpus, tmp_path / "again", replace(CFG, data_order="sequential"))
+    assert all(torch.equal(a[k], load_file(again / "model.safetensors")[k]) for k in a)  # deterministic
