@@ -89,20 +89,20 @@ def unsafe_lm_eval_tasks() -> frozenset[str]:
     if found is None or not found.submodule_search_locations:
         return frozenset()
     root = Path(next(iter(found.submodule_search_locations))) / "tasks"
-    files = {p: p.read_text(errors="replace") for p in root.rglob("*") if p.is_file() and
-             (p.suffix == ".yaml" or ("yaml" in p.name and not p.suffix))}  # fmt: skip
+    # task YAMLs, and the extensionless bases they include (cruxeval_common_yaml)
+    files = {p.resolve(): p.read_text(errors="replace") for p in root.rglob("*")
+             if p.is_file() and (p.suffix == ".yaml" or ("yaml" in p.name and not p.suffix))}  # fmt: skip
 
     def unsafe(path, seen=()):
         text = files.get(path, "")
         if re.search(r"^unsafe_code:\s*true\b", text, re.M):
             return True
-        return any(unsafe((path.parent / inc).resolve(), (*seen, path))
-                   for inc in re.findall(r"^include:\s*['\"]?([^'\"\s]+)", text, re.M)
-                   if (path.parent / inc).resolve() not in seen)  # fmt: skip
+        included = ((path.parent / inc).resolve() for inc in re.findall(r"^include:\s*['\"]?([^'\"\s]+)", text, re.M))
+        return any(unsafe(inc, (*seen, path)) for inc in included if inc not in seen)
 
-    files = {p.resolve(): t for p, t in files.items()}
-    return frozenset(name for p, t in files.items() if "unsafe_code" in t or "include:" in t
-                     for name in re.findall(r"^task:\s*['\"]?([\w.-]+)", t, re.M) if name != "null" and unsafe(p))  # fmt: skip
+    return frozenset(name for path, text in files.items() if "unsafe_code" in text or "include:" in text
+                     for name in re.findall(r"^task:\s*['\"]?([\w.-]+)", text, re.M)
+                     if name != "null" and unsafe(path))  # fmt: skip
 
 
 @dataclass(frozen=True)
