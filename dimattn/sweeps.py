@@ -78,6 +78,33 @@ BASE_OBJECTIVE = "base"  # the unprojected model (l = 0) among the downstream sc
 NO_KV = "none"  # no KV-cache compression
 
 
+def unsafe_lm_eval_tasks() -> frozenset[str]:
+    """lm-eval's tasks whose YAML, or a file it includes, says ``unsafe_code: true`` (MBPP,
+    HumanEval: they execute the model's code), read from lm-eval's task files without importing
+    it (planning stays light); empty where lm-eval is not installed."""
+    import importlib.util
+    import re
+
+    found = importlib.util.find_spec("lm_eval")
+    if found is None or not found.submodule_search_locations:
+        return frozenset()
+    root = Path(next(iter(found.submodule_search_locations))) / "tasks"
+    # task YAMLs, and the extensionless bases they include (cruxeval_common_yaml)
+    files = {p.resolve(): p.read_text(errors="replace") for p in root.rglob("*")
+             if p.is_file() and (p.suffix == ".yaml" or ("yaml" in p.name and not p.suffix))}  # fmt: skip
+
+    def unsafe(path, seen=()):
+        text = files.get(path, "")
+        if re.search(r"^unsafe_code:\s*true\b", text, re.M):
+            return True
+        included = ((path.parent / inc).resolve() for inc in re.findall(r"^include:\s*['\"]?([^'\"\s]+)", text, re.M))
+        return any(unsafe(inc, (*seen, path)) for inc in included if inc not in seen)
+
+    return frozenset(name for path, text in files.items() if "unsafe_code" in text or "include:" in text
+                     for name in re.findall(r"^task:\s*['\"]?([\w.-]+)", text, re.M)
+                     if name != "null" and unsafe(path))  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Projected:
     """One projected model of dimpo.downstream: the fit of ``objective`` at ``d_prime`` with
@@ -275,13 +302,18 @@ class Plan:
         return "run" in spec and self.runs[spec["run"]].model["attention"] != "vanilla"
 
     def dimpo_layers(self, model: str) -> int | None:
-        """The layers of a dimpo model of ours; None for a hub model (known once it loads)."""
+        """The layers of a dimpo model: our run's, or a hub model's num_hidden_layers where the
+        config gives it (else None: known once it loads)."""
         spec = self.dimpo_models[model]
-        return self.runs[spec["run"]].model["num_hidden_layers"] if "run" in spec else None
+        return self.runs[spec["run"]].model["num_hidden_layers"] if "run" in spec else spec.get("num_hidden_layers")
 
     def dimpo_run_dataset(self, model: str) -> str:
         """The corpus a dimpo model of ours was trained on (a recall run's: its capture and probe)."""
         return self.runs[self.dimpo_models[model]["run"]].dataset
+
+    def capture_split(self, purpose: str) -> str:
+        """The split a capture reads: dimpo.capture.fit_split to fit on, the test split to score."""
+        return self.dimpo["capture"]["fit_split"] if purpose == "fit" else "test"
 
     def dimpo_capture(self, model: str) -> dict:
         """dimpo.capture with the model's own overrides."""
@@ -301,7 +333,7 @@ class Plan:
         if not (self.dimpo_enabled and ds["objectives"]):
             return []
         generative = self.dimpo_probe(model) != "text" and not self.keeps_own_cache(model)
-        kvs = [{"name": NO_KV}] + (ds["kv"] if generative else [])
+        kvs = [{"name": NO_KV}] + [kv for kv in ds["kv"] if generative and model in kv.get("models", [model])]
         main = setting_name(self.dimpo["settings"][0])
         projected = [Projected(BASE_OBJECTIVE, 0, 0, kv["name"]) for kv in kvs] + [
             Projected(objective, d, l, kv["name"], seed, main)
@@ -311,11 +343,21 @@ class Plan:
             for kv in kvs
             for seed in self.dimpo["seeds"]
             if objective in kv.get("objectives", [objective]) and l in kv.get("num_projected", [l])
+            and d in kv.get("d_prime", [d])
         ]
         for entry in ds["studies"]:  # e.g. Table 6's settings at the depth of its RULER column
-            study = self.dimpo["ablations"][entry["study"]]
             if model not in entry.get("models", self.study_models(entry["study"])):
                 continue
+            if entry["study"] == MAIN_STUDY:  # Table 1's fits at more l (Table 6's DimPO + KL cell)
+                projected += [
+                    Projected(objective, d, l, NO_KV, seed, main)
+                    for objective in entry.get("objectives", self.grid(model, "objectives"))
+                    for d in entry.get("d_prime", ds["d_prime"])
+                    for l in entry["num_projected"]
+                    for seed in self.dimpo["seeds"]
+                ]
+                continue
+            study = self.dimpo["ablations"][entry["study"]]
             projected += [
                 Projected(objective, d, l, NO_KV, seed, setting_name(overrides), entry["study"])
                 for overrides in study["settings"]
@@ -324,7 +366,7 @@ class Plan:
                 for l in entry["num_projected"]
                 for seed in self.dimpo["seeds"]
             ]
-        return projected
+        return list(dict.fromkeys(projected))
 
     @property
     def latency(self) -> dict | None:
@@ -371,6 +413,7 @@ class Plan:
 def plan(config: dict) -> Plan:
     """The runs of ``config`` (validated, defaults filled) and every cross-reference checked."""
     p = Plan(config)
+    _check_splits(p)
     _check_scales(p)
     p.runs = expand_sweeps(p)
     check_references(p)
@@ -379,6 +422,17 @@ def plan(config: dict) -> Plan:
 
 def _as_list(value):
     return value if isinstance(value, list) else [value]
+
+
+def _check_splits(p: Plan) -> None:
+    """Every Hugging Face corpus's split ranges, as dimattn.data reads them (the schema's
+    defaults filled: start 0, stop null for the end): complete, and no two overlapping."""
+    from .splits import range_errors
+
+    for name, spec in p.config["datasets"].items():
+        if spec["source"] == "huggingface":
+            for ours, message in range_errors(spec["splits"])[:1]:
+                raise ConfigError(f"datasets.{name}.splits" + (f".{ours}" if ours else ""), message)
 
 
 def _check_scales(p: Plan) -> None:
@@ -468,6 +522,7 @@ def check_references(p: Plan) -> None:
     for scale in p.lm_eval["scales"] or []:
         if scale not in scales:
             raise ConfigError("evaluation.lm_eval.scales", f"unknown scale {scale!r}; known: {sorted(scales)}")
+    _check_unsafe_tasks(p)
     if p.lm_eval["write_tasks_from"]:
         _need_dataset(p, "evaluation.lm_eval.write_tasks_from", p.lm_eval["write_tasks_from"])
         if p.is_synthetic(p.lm_eval["write_tasks_from"]):
@@ -481,7 +536,15 @@ def check_references(p: Plan) -> None:
     _need_dataset(p, "dimpo.dataset", p.dimpo["dataset"])
     for i, spec in enumerate(p.dimpo["models"]):
         if "run" not in spec:
+            deep = [l for l in p.num_projected(spec["name"]) if spec.get("num_hidden_layers", l) < l]
+            if deep and p.downstream["objectives"]:
+                where = f"dimpo.models[{i}].num_projected" if "num_projected" in spec else "dimpo.downstream.num_projected"
+                raise ConfigError(where, f"l={deep[0]} exceeds the {spec['num_hidden_layers']} layers of "
+                                         f"{spec['hub']!r} (dimpo.models[{i}].num_hidden_layers)")
             continue
+        if "num_hidden_layers" in spec:
+            raise ConfigError(f"dimpo.models[{i}].num_hidden_layers",
+                              f"run {spec['run']!r} has its own layers (its scale's architecture)")
         key = f"dimpo.models[{i}].run"
         if spec["run"] not in p.runs:
             raise ConfigError(key, f"unknown run {spec['run']!r}; known: {sorted(p.runs)}")
@@ -528,6 +591,26 @@ def check_references(p: Plan) -> None:
             seen[name] = i
 
 
+def _check_unsafe_tasks(p: Plan) -> None:
+    """A task that runs the model's code needs evaluation.lm_eval.allow_unsafe_code; the
+    projected models' scoring (dimpo.downstream.tasks) never opts in."""
+    lm_tasks, ds_tasks = p.lm_eval["tasks"] if p.lm_eval_runs else [], p.downstream["tasks"] if p.dimpo_enabled else []
+    own = {f.stem for f in (Path(__file__).parent / "lm_eval_tasks").glob("*.yaml")}  # never unsafe
+    if all(t["name"] in own for t in [*lm_tasks, *ds_tasks]):
+        return
+    unsafe = unsafe_lm_eval_tasks()
+    for i, task in enumerate(lm_tasks):
+        if task["name"] in unsafe and not p.lm_eval["allow_unsafe_code"]:
+            raise ConfigError("evaluation.lm_eval.allow_unsafe_code",
+                              f"evaluation.lm_eval.tasks[{i}] {task['name']!r} executes the model's code (lm-eval "
+                              "unsafe_code): set allow_unsafe_code: true to opt in, or drop the task")
+    for i, task in enumerate(ds_tasks):
+        if task["name"] in unsafe:
+            raise ConfigError(f"dimpo.downstream.tasks[{i}].name",
+                              f"{task['name']!r} executes the model's code (lm-eval unsafe_code); only "
+                              "evaluation.lm_eval opts in to that (allow_unsafe_code)")
+
+
 def _check_recall_capture(p: Plan, i: int, spec: dict, run) -> None:
     """A recall run is captured on its own corpus: whole examples, as many as its splits hold."""
     # the schema fills the recall corpus' defaults (seq_len, n_validation, n_test)
@@ -536,7 +619,7 @@ def _check_recall_capture(p: Plan, i: int, spec: dict, run) -> None:
         raise ConfigError(f"dimpo.models[{i}].capture.seq_len",
                           f"{capture['seq_len']} is not the example length {data['seq_len']} of {run.dataset!r}, "
                           f"which run {spec['run']!r} is captured on")  # fmt: skip
-    for purpose, split in (("fit_sequences", "validation"), ("eval_sequences", "test")):
+    for purpose, split in (("fit_sequences", p.capture_split("fit")), ("eval_sequences", "test")):
         if capture[purpose] > data[f"n_{split}"]:
             raise ConfigError(f"dimpo.models[{i}].capture.{purpose}",
                               f"{capture[purpose]} exceeds the {data[f'n_{split}']} {split} examples of "
@@ -547,9 +630,12 @@ def _check_downstream(p: Plan) -> None:
     ds = p.downstream
     if not ds["objectives"]:
         return
-    for key in ("d_prime", "num_projected"):
-        if not ds[key]:
-            raise ConfigError(f"dimpo.downstream.{key}", "required when dimpo.downstream.objectives names one")
+    if not ds["d_prime"]:
+        raise ConfigError("dimpo.downstream.d_prime", "required when dimpo.downstream.objectives names one")
+    bare = [m for m in p.dimpo_models if not p.num_projected(m)]
+    if bare:
+        raise ConfigError("dimpo.downstream.num_projected", f"required when dimpo.downstream.objectives names one "
+                                                            f"and a model sets none ({bare[0]!r})")
     for key in ("objectives", "d_prime"):
         for model in p.dimpo_models:
             unknown = [v for v in ds[key] if v not in p.grid(model, key)]
@@ -564,12 +650,29 @@ def _check_downstream(p: Plan) -> None:
         raise ConfigError("dimpo.downstream.metadata.max_seq_lengths",
                           f"RULER tasks ({ruler[0]}, ...) need lengths of at least {RULER_MIN_LENGTH}, got "
                           f"{ds['metadata'].get('max_seq_lengths')}: shorter, ruler_vt never ends")
+    for i, task in enumerate(ds["tasks"]):
+        stray = [d for d in task.get("d_prime", []) if d not in ds["d_prime"]]
+        if stray:
+            raise ConfigError(f"dimpo.downstream.tasks[{i}].d_prime",
+                              f"{stray[0]} is not among dimpo.downstream.d_prime {ds['d_prime']}: no projected model "
+                              "of that width is made")  # fmt: skip
     for i, entry in enumerate(ds["studies"]):
         key = f"dimpo.downstream.studies[{i}]"
-        if entry["study"] not in p.dimpo["ablations"]:
+        if entry["study"] == MAIN_STUDY:
+            for model in entry.get("models", p.dimpo_models):
+                for name, known in (("objectives", p.grid(model, "objectives")), ("d_prime", p.grid(model, "d_prime"))):
+                    stray = [v for v in entry.get(name, []) if v not in known]
+                    if stray:
+                        raise ConfigError(f"{key}.{name}", f"{stray[0]!r} is not fitted for {model!r} ({known})")
+        elif entry["study"] not in p.dimpo["ablations"]:
             raise ConfigError(f"{key}.study", f"{entry['study']!r} is not a study of dimpo.ablations "
-                                              f"({sorted(p.dimpo['ablations'])})")
-        fitted = p.study_models(entry["study"])
+                                              f"({sorted(p.dimpo['ablations'])}) nor {MAIN_STUDY}")
+        else:
+            extra = [k for k in ("objectives", "d_prime") if k in entry]
+            if extra:
+                raise ConfigError(f"{key}.{extra[0]}", f"only a {MAIN_STUDY} entry chooses its {extra[0]}; "
+                                                       f"{entry['study']!r} projects its own")
+        fitted = list(p.dimpo_models) if entry["study"] == MAIN_STUDY else p.study_models(entry["study"])
         for model in entry.get("models", fitted):
             if model not in fitted:
                 raise ConfigError(f"{key}.models", f"{model!r} is not fitted in {entry['study']!r} ({fitted})")
@@ -581,11 +684,14 @@ def _check_downstream(p: Plan) -> None:
     for i, spec in enumerate(ds["kv"]):
         key = f"dimpo.downstream.kv[{i}]"
         depths = {l for model in p.dimpo_models for l in p.num_projected(model)}
-        for name, known in (("objectives", ds["objectives"]), ("num_projected", depths)):
+        for name, known in (("objectives", ds["objectives"]), ("num_projected", depths), ("d_prime", ds["d_prime"])):
             stray = [v for v in spec.get(name, []) if v not in known]
             if stray:
                 raise ConfigError(f"{key}.{name}", f"{stray[0]!r} is not among the downstream {name} "
                                                    f"({sorted(known) if name == 'num_projected' else known})")
+        stray = [m for m in spec.get("models", []) if m not in p.dimpo_models]
+        if stray:
+            raise ConfigError(f"{key}.models", f"{stray[0]!r} is not in dimpo.models ({list(p.dimpo_models)})")
         if spec["name"] in names[:i] or spec["name"] == NO_KV:
             raise ConfigError(f"{key}.name", f"{spec['name']!r} is taken")
         if "snapkv" in spec:

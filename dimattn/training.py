@@ -80,10 +80,13 @@ class TrainConfig:
     seed: int = 0
     precision: str = "auto"  # "bf16": autocast matmuls to bfloat16, loss fp32; "auto": bf16 where native
     compile: bool = False  # torch.compile the model; CUDA only, ignored on CPU
+    data_order: str = "random"  # "sequential": Pythia's fixed order, epoch after epoch (batch_starts)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise TrainingError(f"training.precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
+        if self.data_order not in ("random", "sequential"):
+            raise TrainingError(f"training.data_order must be random or sequential, got {self.data_order!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -140,7 +143,12 @@ def _example_len(meta: dict, seq_len: int, name: str, n_tokens: int) -> int | No
 
 
 def batch_starts(n_tokens: int, cfg: TrainConfig, step: int, example_len: int | None = None) -> torch.Tensor:
-    """Start offsets of the global batch of step: a function of (seed, step) only."""
+    """Start offsets of the global batch of step: a function of (seed, step) only. "random":
+    windows drawn with replacement; "sequential": the corpus cut into consecutive windows, read in
+    its order, batch after batch (Pythia's loader), from the start again once all are read."""
+    if cfg.data_order == "sequential":
+        width = example_len or cfg.seq_len
+        return torch.arange(step * cfg.batch_size, (step + 1) * cfg.batch_size) % (n_tokens // width) * width
     generator = torch.Generator().manual_seed(cfg.seed * STEP_SEED_STRIDE + step)
     if example_len:  # whole examples only: a window never straddles two
         return torch.randint(0, n_tokens // example_len, (cfg.batch_size,), generator=generator) * example_len
@@ -165,9 +173,12 @@ def fixed_windows(tokens: np.ndarray, n: int, seq_len: int, example_len: int | N
 
 
 def build_model(model_spec: dict, tokenizer, seq_len: int) -> DimAttnForCausalLM:
+    spec = dict(model_spec)
+    # GPT-NeoX pads the embedding and LM head to a multiple of rows (Pythia: 128, so 50,277 -> 50,304)
+    multiple = spec.pop("make_vocab_size_divisible_by", 1)
     config = DimAttnConfig(
-        **model_spec,
-        vocab_size=len(tokenizer),
+        **spec,
+        vocab_size=-(-len(tokenizer) // multiple) * multiple,
         max_position_embeddings=seq_len,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

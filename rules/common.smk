@@ -127,7 +127,7 @@ def latency_files():
 
 def capture_documents(wildcards):
     """What a dimpo model is captured on: dimpo.dataset's text, or a recall run's own corpus."""
-    split = "validation" if wildcards.purpose == "fit" else "test"
+    split = PLAN.capture_split(wildcards.purpose)  # dimpo.capture.fit_split, or test
     if PLAN.dimpo_probe(wildcards.model) == "recall":
         return paths.tokens(PLAN.dimpo_run_dataset(wildcards.model), split)
     return paths.documents(PLAN.dimpo["dataset"], split)
@@ -181,7 +181,17 @@ def score_params(wildcards):
 
 def lm_eval_params():
     lm = PLAN.lm_eval
-    return {k: lm[k] for k in ("tasks", "batch_size", "limit")}
+    return {
+        k: lm[k]
+        for k in (
+            "tasks",
+            "batch_size",
+            "limit",
+            "allow_unsafe_code",
+            "dtype",
+            "exclude_shorter_than_window",
+        )
+    }
 
 
 def model_dirs():

@@ -29,6 +29,8 @@ rule score_text:
     params:
         perplexity=score_params,
         lm_eval=lm_eval_params(),
+        # each task's result as it finishes: a rerun scores only the tasks missing
+        lm_eval_partial=lambda wc: f"{paths.checkpoints(wc.run)}/lm_eval",
         device=PLAN.config["device"],
     script:
         "../workflow_scripts/score_text.py"

@@ -408,6 +408,17 @@ def test_prepare_hf_corpus_holds_out_ranges_of_one_split(tmp_path):
 
 
 @pytest.mark.usefixtures("hf_cache")
+def test_prepare_hf_corpus_reads_to_the_end_without_a_stop(tmp_path):
+    # BOOKSUM in configs/paper.yaml: whole splits, start 0 and stop null (the schema's defaults)
+    tiny = make_parquet_dataset(tmp_path / "booksum", {"train": 4, "validation": 2, "test": 3})
+    splits = {s: {"split": s, "start": 0, "stop": None} for s in ("train", "validation", "test")}
+    splits["test"]["start"] = 1
+    counts = data.prepare_hf_corpus(hf_spec(tiny, splits), tmp_path / "corpus")
+    assert counts == {"train": 4, "validation": 2, "test": 2}
+    assert [d["id"] for d in data.read_documents(tmp_path / "corpus" / "test.jsonl")] == ["test-1", "test-2"]
+
+
+@pytest.mark.usefixtures("hf_cache")
 def test_prepare_hf_corpus_names_missing_text_field(tmp_path):
     tiny = make_parquet_dataset(tmp_path / "tiny", {"train": 3})
     splits = {"train": {"split": "train", "start": 0, "stop": 2}}
@@ -440,6 +451,14 @@ def test_prepare_hf_corpus_rejects_non_text_field(tmp_path):
         ({"dev": {"split": "train", "start": 0, "stop": 1}}, "unknown split 'dev'"),
         ({"train": {"split": "train", "start": 0}}, "missing \\['stop'\\]"),
         ({"train": {"split": "train", "start": 0, "stop": 99}}, "has 10 rows, fewer than stop=99"),
+        ({"train": {"split": "train", "start": 10, "stop": None}}, "has no rows from start=10"),
+        (
+            {
+                "train": {"split": "train", "start": 4, "stop": None},
+                "test": {"split": "train", "start": 0, "stop": 5},
+            },
+            "'train' and 'test' overlap",
+        ),
         ({"train": {"split": "nope", "start": 0, "stop": 1}}, "cannot load .* split 'nope'"),
     ],
 )

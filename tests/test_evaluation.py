@@ -112,3 +112,133 @@ def test_task_yamls_load_through_lm_evals_task_manager():
     manager = TaskManager(include_path=str(evaluation.TASKS_DIR), include_defaults=False)
     assert {evaluation.HELDOUT_TASK, evaluation.NEXT_LINE_TASK} <= set(manager.all_tasks)
     assert "_dimattn_template_yaml" not in manager.all_tasks
+
+
+@pytest.fixture
+def scored_run(tmp_path, monkeypatch):
+    """One of our tiny runs with a tokenizer, and our two lm-eval tasks' data, in a working
+    directory laid out like the workflow's (the task YAMLs read results/lm_eval_data/)."""
+    from dimattn import paths
+    from dimattn.data import train_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    docs = tmp_path / "test.jsonl"
+    write_documents([{"id": "novel", "text": PROSE * 3}], docs)
+    run = tmp_path / "tiny-vanilla"
+    tokenizer = train_tokenizer(docs, vocab_size=300, out_dir=run)
+    torch.manual_seed(0)
+    cfg = DimAttnConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        max_position_embeddings=2048)  # fmt: skip
+    DimAttnForCausalLM(cfg).save_pretrained(run)
+    tasks = (evaluation.HELDOUT_TASK, evaluation.NEXT_LINE_TASK)
+    evaluation.write_lm_eval_data(docs, {t: Path(paths.lm_eval_data(t)) for t in tasks}, 2, 4, None, 0)
+    return run
+
+
+def test_each_lm_eval_task_is_kept_as_it_finishes_and_a_rerun_scores_only_the_missing(scored_run, tmp_path,
+                                                                                     monkeypatch):  # fmt: skip
+    """Table 4's score_text: one failing task (MBPP, once) loses nothing else; the rerun scores it
+    alone, and the record equals an uninterrupted one."""
+    import lm_eval
+
+    real, calls, fail_once = lm_eval.simple_evaluate, [], [evaluation.HELDOUT_TASK]
+
+    def flaky(*args, **kw):
+        calls.append((kw["tasks"], kw["confirm_run_unsafe_code"]))
+        if kw["tasks"][0] in fail_once:
+            fail_once.remove(kw["tasks"][0])
+            raise RuntimeError("code_eval is not available")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", flaky)
+    monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
+    tasks = [{"name": evaluation.NEXT_LINE_TASK}, {"name": evaluation.HELDOUT_TASK}]
+    partial, out = tmp_path / "checkpoints/tiny-vanilla/lm_eval", tmp_path / "lm_eval.json"
+    kw = dict(model_dir=scored_run, tasks=tasks, batch_size=2, limit=2, out_json=out, partial_dir=partial)
+    with pytest.raises(RuntimeError, match=f"{evaluation.HELDOUT_TASK}.*a rerun scores only the failed"):
+        evaluation.run_lm_eval(**kw)
+    assert not out.exists() and sorted(p.name for p in partial.iterdir()) == [f"{evaluation.NEXT_LINE_TASK}.json"]
+    # both tasks were tried, unsafe code never confirmed nor allowed
+    assert {c[0][0] for c in calls} == {evaluation.HELDOUT_TASK, evaluation.NEXT_LINE_TASK}
+    assert not any(c[1] for c in calls) and "HF_ALLOW_CODE_EVAL" not in __import__("os").environ
+    calls.clear()
+    record = evaluation.run_lm_eval(**kw, allow_unsafe_code=True)
+    assert calls == [([evaluation.HELDOUT_TASK], True)]  # the kept task is not scored again
+    assert __import__("os").environ["HF_ALLOW_CODE_EVAL"] == "1"
+    assert not partial.exists() and json.loads(out.read_text()) == record
+    assert set(record["results"]) == {evaluation.HELDOUT_TASK, evaluation.NEXT_LINE_TASK}
+    calls.clear()
+    fresh = evaluation.lm_eval_results(scored_run, tasks, 2, 2)
+    assert fresh["results"] == record["results"] and len(calls) == 2
+
+
+def test_a_kept_lm_eval_result_of_another_model_is_scored_again(scored_run, tmp_path, monkeypatch):
+    import lm_eval
+
+    partial, calls = tmp_path / "partial", []
+    tasks = [{"name": evaluation.NEXT_LINE_TASK}]
+    evaluation.lm_eval_results(scored_run, tasks, 2, 2, partial_dir=partial)
+    real = lm_eval.simple_evaluate
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda *a, **kw: calls.append(kw["tasks"]) or real(*a, **kw))
+    evaluation.lm_eval_results(scored_run, tasks, 2, 2, partial_dir=partial)
+    assert calls == []  # same model, same task: kept
+    DimAttnForCausalLM.from_pretrained(scored_run).save_pretrained(scored_run)  # retrained: new files
+    evaluation.lm_eval_results(scored_run, tasks, 2, 2, partial_dir=partial)
+    assert calls == [[evaluation.NEXT_LINE_TASK]]
+
+
+def test_lm_eval_gets_each_tasks_dtype_batch_and_chat_template(tmp_path, monkeypatch):
+    """The authors' RULER runs (bfloat16, batch 1, chat template) and harness runs (bfloat16,
+    batch 32) reach lm-eval's hf model as configured; the model loads once a (dtype, batch)."""
+    import lm_eval
+    import lm_eval.api.registry as registry
+
+    loads, runs = [], []
+
+    class FakeHF:
+        @staticmethod
+        def create_from_arg_obj(args, extra):
+            loads.append((args["dtype"], extra["batch_size"]))
+            return ("lm", args["dtype"], extra["batch_size"])
+
+    monkeypatch.setattr(registry, "get_model", lambda name: FakeHF)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: runs.append(
+        (kw["tasks"][0], kw["model"], kw["apply_chat_template"], kw["num_fewshot"])) or {"results": {}, "configs": {}})
+    (tmp_path / "config.json").write_text("{}")
+    tasks = [{"name": "niah_single_1", "batch_size": 1, "chat_template": True, "dtype": "bfloat16"},
+             {"name": "hellaswag", "batch_size": 32, "dtype": "bfloat16"},
+             {"name": "ruler_vt", "batch_size": 1, "chat_template": True, "dtype": "bfloat16"},
+             {"name": "dimattn_heldout"}]
+    evaluation.lm_eval_results(tmp_path, tasks, batch_size=8, limit=None)
+    assert sorted(loads) == [("bfloat16", 1), ("bfloat16", 32), ("float32", 8)]
+    assert sorted(runs) == [("dimattn_heldout", ("lm", "float32", 8), False, 0),
+                            ("hellaswag", ("lm", "bfloat16", 32), False, 0),
+                            ("niah_single_1", ("lm", "bfloat16", 1), True, 0),
+                            ("ruler_vt", ("lm", "bfloat16", 1), True, 0)]
+
+
+def test_table4_scores_only_documents_whose_context_reaches_the_window(scored_run, tmp_path):
+    """Seed 000 Table 4 excludes samples whose input context is shorter than the window: lm-eval
+    scores exactly the next-line choices whose context ("{{context}}\\n", 0-shot) has at least w
+    tokens, and records how many it kept."""
+    from transformers import AutoTokenizer
+
+    from dimattn import paths
+
+    tok = AutoTokenizer.from_pretrained(scored_run)
+    rows = [json.loads(line) for line in Path(paths.lm_eval_data(evaluation.NEXT_LINE_TASK)).read_text().splitlines()]
+    lengths = sorted(len(tok.encode(r["context"] + "\n", add_special_tokens=False)) for r in rows)
+    window = lengths[len(lengths) // 2]  # about half the documents are shorter
+    expected = sum(n >= window for n in lengths)
+    assert 0 < expected < len(rows)
+    tasks = [{"name": evaluation.NEXT_LINE_TASK}]
+    full = evaluation.lm_eval_results(scored_run, tasks, 2, None)
+    short = evaluation.lm_eval_results(scored_run, tasks, 2, None, min_context=window)
+    assert "context_filter" not in full
+    assert short["context_filter"] == {evaluation.NEXT_LINE_TASK: [expected, len(rows)]}
+    assert short["results"] != full["results"]
+    with pytest.raises(RuntimeError, match="no document.s context has 10000 tokens"):
+        evaluation.lm_eval_results(scored_run, tasks, 2, None, min_context=10_000)
+    # run_lm_eval takes the window from the run: a vanilla run has none, so keeps every document
+    record = evaluation.run_lm_eval(scored_run, tasks, 2, None, tmp_path / "out.json", exclude_shorter_than_window=True)
+    assert record["window"] is None and "context_filter" not in record and record["results"] == full["results"]

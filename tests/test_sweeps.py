@@ -106,7 +106,27 @@ def downstream(config, **changes):
     config["dimpo"]["downstream"] = {"objectives": ["kl"], "d_prime": [4], "num_projected": [2], **changes}
 
 
+PAPER = yaml.safe_load((REPO / "configs/paper.yaml").read_text())
+
+
+def hf_dataset(splits):
+    """Adds BOOKSUM (as configs/paper.yaml reads it) with ``splits``, unused by any run."""
+    return lambda c: c["datasets"].update(booksum=PAPER["datasets"]["booksum"] | {"splits": splits})
+
+
+THREE = {"train": {"split": "train"}, "validation": {"split": "validation"}, "test": {"split": "test"}}
+
 BAD = {
+    # a Hugging Face corpus's split ranges, as dimattn.data reads them
+    "hf splits overlap": (hf_dataset(THREE | {"test": {"split": "train", "start": 100, "stop": 200}}),
+                          "datasets.booksum.splits.test: splits 'train' and 'test' overlap"),
+    "hf split empty range": (hf_dataset(THREE | {"test": {"split": "test", "start": 5, "stop": 5}}),
+                             "datasets.booksum.splits.test: split 'test': need ints 0 <= start < stop"),
+    # lm-eval tasks that execute the model's code need the explicit opt-in
+    "unsafe lm_eval task": (lambda c: c["evaluation"]["lm_eval"]["tasks"].append({"name": "mbpp", "num_fewshot": 3}),
+                            "config key evaluation.lm_eval.allow_unsafe_code: evaluation.lm_eval.tasks[2] 'mbpp'"),
+    "unsafe downstream task": (lambda c: downstream(c, tasks=[{"name": "humaneval"}]), "dimpo.downstream.tasks[0].name"),
+    "hf split missing": (hf_dataset({"train": {"split": "train"}, "test": {"split": "test"}}), "validation"),
     # schema: types, ranges, unknown keys, required keys
     "unknown variant": (add_sweep({"scale": "tiny", "attention": "sparse"}), "sparse"),
     "unknown objective": (lambda c: c["dimpo"]["objectives"].append("cosine"), "cosine"),
@@ -187,6 +207,32 @@ BAD = {
         "dimpo.downstream.objectives: 'kl' is not fitted for 'recall-vanilla' (dimpo.models[1].objectives"),
     "a model's d_prime > its head_dim": (lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"d_prime": [64]}),
                                          "dimpo.models[1].d_prime: 64 exceeds the head dimension 32"),
+    "hub model l > its layers": (
+        lambda c: (downstream(c), c["dimpo"]["models"].append(
+            {"name": "llama", "hub": "meta-llama/Llama-3.2-3B-Instruct", "num_hidden_layers": 28,
+             "num_projected": [2, 32]})),
+        "dimpo.models[1].num_projected: l=32 exceeds the 28 layers of 'meta-llama/Llama-3.2-3B-Instruct'"),
+    "hub model default l > its layers": (
+        lambda c: (downstream(c, num_projected=[2, 6]), c["dimpo"]["models"].__setitem__(
+            0, {"name": "llama", "hub": "meta-llama/Llama-3.2-3B-Instruct", "num_hidden_layers": 4})),
+        "dimpo.downstream.num_projected: l=6 exceeds the 4 layers"),
+    "layers of one of our runs": (lambda c: c["dimpo"]["models"][0].update(num_hidden_layers=4),
+                                  "dimpo.models[0].num_hidden_layers"),
+    "downstream task d_prime not made": (lambda c: downstream(c, tasks=[{"name": "dimattn_heldout", "d_prime": [8]}]),
+                                         "dimpo.downstream.tasks[0].d_prime: 8 is not among dimpo.downstream.d_prime"),
+    "kv of an unknown model": (lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2}, "models": ["gpt"]}]),
+                               "dimpo.downstream.kv[0].models"),
+    "kv d_prime not made": (lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2}, "d_prime": [2]}]),
+                            "dimpo.downstream.kv[0].d_prime"),
+    "table1 study objective not fitted": (
+        lambda c: downstream(c, studies=[{"study": "table1", "objectives": ["dimpo_kl"], "num_projected": [2]}]),
+        "dimpo.downstream.studies[0].objectives: 'dimpo_kl' is not fitted for 'tiny-vanilla'"),
+    "table1 study d_prime not fitted": (
+        lambda c: downstream(c, studies=[{"study": "table1", "d_prime": [3], "num_projected": [2]}]),
+        "dimpo.downstream.studies[0].d_prime"),
+    "ablation study choosing objectives": (
+        lambda c: downstream(c, studies=[{"study": "quirks", "objectives": ["kl"], "num_projected": [2]}]),
+        "dimpo.downstream.studies[0].objectives: only a table1 entry"),
     "downstream study unknown": (lambda c: downstream(c, studies=[{"study": "table7", "num_projected": [2]}]),
                                  "dimpo.downstream.studies[0].study"),
     "downstream study too deep": (lambda c: downstream(c, studies=[{"study": "quirks", "num_projected": [9]}]),
@@ -237,6 +283,89 @@ def test_seeds_expand_into_replicates():
     assert plan.config["pretraining"]["scales"]["micro"]["training"]["seed"] == 0
     with pytest.raises(sweeps.ConfigError, match=r"seed: \[1, 1\] repeats"):
         plan_of(mutated(add_sweep({"scale": "micro", "attention": "vanilla", "seed": [1, 1]})))
+
+
+def test_hf_split_ranges_default_to_the_whole_split():
+    """configs/paper.yaml gives BOOKSUM's splits by name alone: start 0 and stop null (the end)
+    come from the schema, which dimattn.data reads; ranges of one split that touch do not overlap."""
+    plan = plan_of(mutated(hf_dataset(THREE)))
+    assert plan.config["datasets"]["booksum"]["splits"]["validation"] == {"split": "validation", "start": 0,
+                                                                          "stop": None}
+    pile = {"train": {"split": "train", "start": 20}, "validation": {"split": "train", "stop": 10},
+            "test": {"split": "train", "start": 10, "stop": 20}}
+    assert plan_of(mutated(hf_dataset(pile))).config["datasets"]["booksum"]["splits"]["train"]["stop"] is None
+
+
+def test_unsafe_code_is_an_explicit_opt_in():
+    """lm-eval's unsafe_code tasks are read off its task files (MBPP's include too); Table 4's MBPP
+    plans once evaluation.lm_eval.allow_unsafe_code is set, as configs/paper.yaml does."""
+    unsafe = sweeps.unsafe_lm_eval_tasks()
+    assert {"mbpp", "mbpp_plus", "humaneval"} <= unsafe and not unsafe & {"hellaswag", "gsm8k", "commonsense_qa"}
+    config = mutated(lambda c: c["evaluation"]["lm_eval"]["tasks"].append({"name": "mbpp", "num_fewshot": 3}))
+    config["evaluation"]["lm_eval"]["allow_unsafe_code"] = True
+    assert plan_of(config).lm_eval["allow_unsafe_code"] is True
+    assert sweeps.validate(DEFAULT)["evaluation"]["lm_eval"]["allow_unsafe_code"] is False
+    assert PAPER["evaluation"]["lm_eval"]["allow_unsafe_code"] is True
+
+
+def test_dimpo_fits_on_the_configured_split():
+    """Seed 003 (3.3) and lanzv/dimpo fit on the train split (configs/paper.yaml); the CPU
+    default keeps validation, so its outputs mean what they did."""
+    assert plan_of(DEFAULT).capture_split("fit") == "validation" and plan_of(DEFAULT).capture_split("eval") == "test"
+    assert PAPER["dimpo"]["capture"]["fit_split"] == "train"
+    config = mutated(lambda c: (c["dimpo"]["capture"].update(fit_split="train"), c["dimpo"]["models"].append(
+        RECALL_MODEL | {"capture": {"seq_len": 64, "fit_sequences": 300}})))
+    plan = plan_of(config)  # 300 of recall's 40,000 train examples, more than its 256 validation ones
+    assert plan.capture_split("fit") == "train"
+    config["dimpo"]["capture"]["fit_split"] = "validation"
+    with pytest.raises(sweeps.ConfigError, match="300 exceeds the 256 validation examples"):
+        plan_of(config)
+
+
+def test_the_paper_grids_reach_every_layer_as_the_authors_ran_them():
+    """configs/paper.yaml: each hub model's l to 100 % of its layers with Table 4's shares as
+    lanzv/dimpo rounded them; harness tasks at d' 64, 16, 4, 1, RULER at 64; Table 5 on
+    Llama-3.1-8B alone; Table 6's KL and DimPO + KL projected where its ablation is."""
+    from dimattn.evaluation import downstream_tasks
+
+    config = copy.deepcopy(DEFAULT)
+    for key, value in PAPER.items():  # Snakemake's --configfile merge: mappings merge, the rest replaces
+        config[key] = config[key] | value if isinstance(value, dict) and key != "dimpo" else value
+    config["dimpo"] = DEFAULT["dimpo"] | PAPER["dimpo"]
+    plan = plan_of(config)
+    layers = {"llama-3.1-8b-instruct": 32, "qwen3-4b-instruct": 36, "llama-3.2-3b-instruct": 28,
+              "qwen2.5-7b-instruct": 28}
+    table4 = {32: {8, 12, 16}, 36: {9, 15, 18}, 28: {7, 12, 14}}
+    for model, n in layers.items():
+        grid = plan.num_projected(model)
+        assert plan.dimpo_layers(model) == n and max(grid) == n and table4[n] <= set(grid), (model, grid)
+        projected = plan.projected(model)
+        assert {p.d_prime for p in projected if p.study == "table1" and p.kv == "none"} == {0, 64, 16, 4, 1}
+        kvs = {p.kv for p in projected}
+        assert kvs == ({"none", "snapkv1024", "snapkv2048", "kivi2", "kivi4"} if n == 32 else {"none"})
+    l6 = {"llama-3.1-8b-instruct": 20, "qwen3-4b-instruct": 24}
+    for model, l in l6.items():
+        at = {(p.objective, p.study) for p in plan.projected(model) if p.num_projected == l and p.d_prime == 64}
+        assert {("kl", "table1"), ("dimpo_kl", "table1"), ("dimpo", "table6")} <= at
+    assert not any(p.objective == "dimpo_kl" for p in plan.projected("llama-3.2-3b-instruct"))
+    tasks = plan.downstream["tasks"]
+    assert [t["name"] for t in downstream_tasks(tasks, 4)] == ["hellaswag", "arc_challenge", "mmlu",
+                                                               "truthfulqa_mc2", "winogrande"]
+    assert downstream_tasks(tasks, 64) == tasks == downstream_tasks(tasks, 0)  # the base model: every task
+    assert {t["dtype"] for t in tasks} == {"bfloat16"}
+    assert all(t["batch_size"] == 1 and t["chat_template"] for t in tasks if t["name"] in sweeps.RULER_TASKS)
+
+
+def test_paper_pretraining_follows_pythias_configs():
+    """Pythia's padded vocabulary (GPT-NeoX's make_vocab_size_divisible_by 128) and fixed data
+    order at every paper scale, neither at CPU scale; the d = 2048 model at Pythia-1B's lr 2.5e-4
+    / 2.5e-5."""
+    scales = PAPER["pretraining"]["scales"]
+    assert {s["architecture"]["make_vocab_size_divisible_by"] for s in scales.values()} == {128}
+    assert {s["training"]["data_order"] for s in scales.values()} == {"sequential"}
+    assert {r.training["data_order"] for r in plan_of(DEFAULT).runs.values()} == {"random"}
+    assert (scales["pythia-1b"]["training"]["lr"], scales["pythia-1b"]["training"]["min_lr"]) == (2.5e-4, 2.5e-5)
+    assert {r.model["make_vocab_size_divisible_by"] for r in plan_of(DEFAULT).runs.values()} == {1}
 
 
 def test_sweep_errors_carry_the_key():

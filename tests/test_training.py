@@ -350,3 +350,49 @@ def test_benchmark_sums_snakemake_benchmark_files_per_rule(tmp_path, capsys):
     assert list(per_rule)[:2] == ["pretrain", "score_text"]  # largest first
     total = lines[-1]
     assert total["name"] == "dag_total_seconds" and total["wall_s"] == sum(per_rule.values()) and total["jobs"] == 7
+
+
+class _PythiaTokenizer:
+    """len() and the special ids of Pythia's tokenizer, EleutherAI/gpt-neox-20b's 50,277 tokens."""
+
+    bos_token_id = eos_token_id = 0
+    pad_token_id = None
+
+    def __len__(self):
+        return 50277
+
+
+def test_the_vocabulary_is_padded_as_gpt_neox_pads_it():
+    """make_vocab_size_divisible_by 128 (Pythia, configs/paper.yaml): 50,277 tokens become 50,304
+    rows and Pythia-70M's 70,426,624 parameters; 1 (the default) keeps len(tokenizer)."""
+    pythia = {"hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "attention": "vanilla"}
+    padded = training.build_model(pythia | {"make_vocab_size_divisible_by": 128}, _PythiaTokenizer(), 2048)
+    assert padded.config.vocab_size == 50304 and sum(p.numel() for p in padded.parameters()) == 70_426_624
+    assert not hasattr(padded.config, "make_vocab_size_divisible_by")  # a build setting, not the model's
+    assert training.build_model(pythia, _PythiaTokenizer(), 2048).config.vocab_size == 50277
+    small = MODEL | {"make_vocab_size_divisible_by": 7}
+    assert training.build_model(small, _PythiaTokenizer(), 16).config.vocab_size == 50281
+
+
+def test_sequential_order_reads_every_window_once_in_order_then_again():
+    """training.data_order sequential (Pythia's fixed order): consecutive windows, none twice
+    within an epoch, the next epoch in the same order; whole examples stay whole."""
+    cfg = replace(CFG, data_order="sequential")  # batch 8 of 16 tokens
+    n_tokens = 16 * 20 + 5  # 20 whole windows, 5 tokens left over
+    starts = torch.cat([batch_starts(n_tokens, cfg, step) for step in range(5)])
+    assert starts[:20].tolist() == list(range(0, 320, 16)) and starts[20:].tolist() == starts[:20].tolist()
+    assert int(starts.max()) + 16 <= n_tokens
+    assert torch.equal(batch_starts(n_tokens, replace(cfg, seed=3), 2), batch_starts(n_tokens, cfg, 2))
+    assert batch_starts(64 * 10, replace(cfg, seq_len=64), 1, example_len=64).tolist() == [512, 576, 0, 64, 128,
+                                                                                           192, 256, 320]
+    with pytest.raises(TrainingError, match="data_order"):
+        TrainConfig(data_order="shuffled")
+
+
+def test_a_sequential_run_trains_on_its_own_batches(corpus, tmp_path):
+    sequential = train(corpus, tmp_path / "sequential", replace(CFG, data_order="sequential"))
+    drawn = train(corpus, tmp_path / "random", CFG)
+    a, b = load_file(sequential / "model.safetensors"), load_file(drawn / "model.safetensors")
+    assert a.keys() == b.keys() and not all(torch.equal(a[k], b[k]) for k in a)
+    again = train(corpus, tmp_path / "again", replace(CFG, data_order="sequential"))
+    assert all(torch.equal(a[k], load_file(again / "model.safetensors")[k]) for k in a)  # deterministic

@@ -83,10 +83,13 @@ def test_paper_dry_run_builds_the_full_dag(tmp_path):
     # models x (Table 1: objectives x d'; Table 6: 8 settings at one d'; Figure 4 (a), (b), (c):
     # objectives x settings x d'; quirks: 3 objectives x 10 settings at one d')
     assert counts["fit_projection"] == 4 * (10 * 7 + 8 + 7 * (5 * 4 + 4 * 7 + 4 * 6) + 3 * 10)
-    # dimpo.downstream: per model, the base model and 7 objectives x 6 l, then SnapKV (2 budgets)
-    # and KIVI (2 and 4 bits) on the base model and on DimPO at 3 l (Table 5); Table 6's 8
-    # settings at one l on Llama-3.1-8B and on Qwen3-4B
-    assert counts["project_model"] == counts["score_projected"] == 4 * (1 + 7 * 6 + 4 * (1 + 3)) + 2 * 8
+    # dimpo.downstream: per model, the base model and 7 objectives x its l (10 of Llama-3.1-8B's 32
+    # layers, 14 of Qwen3-4B's 36, 12 of the 28-layer models') x 4 d' (64 and Appendix F's 16, 4,
+    # 1); on Llama-3.1-8B SnapKV (2 budgets) and KIVI (2 and 4 bits) on the base model and on DimPO
+    # at d' = 64 and 3 l (Table 5); Table 6's 8 settings and Table 1's DimPO + KL at one l on
+    # Llama-3.1-8B and on Qwen3-4B
+    llama8b, qwen3, n28 = 1 + 7 * 10 * 4 + 4 * (1 + 3) + 8 + 1, 1 + 7 * 14 * 4 + 8 + 1, 1 + 7 * 12 * 4
+    assert counts["project_model"] == counts["score_projected"] == llama8b + qwen3 + 2 * n28 == 1382
     assert counts["prefetch"] == 1  # hub models and task data, on the login node
     assert "shakespeare" not in text and "tiny-" not in text  # nothing leaks from config.yaml
     for run in ("pythia-70m-dar-w128-d64", "pythia-70m-dar-w0-d128", "pythia-70m-swa-w128-full4",
