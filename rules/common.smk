@@ -25,7 +25,8 @@ except sweeps.ConfigError as e:
     raise WorkflowError(str(e)) from None
 RUNS = PLAN.runs
 try:
-    FIRST_ATTEMPTS = resources.first_attempts(PLAN)  # from the work; beyond the node: refused here
+    # From the work (dimattn.resources); a first attempt beyond the node is refused here.
+    FIRST_ATTEMPTS = resources.first_attempts(PLAN)
 except resources.ResourceError as e:
     raise WorkflowError(str(e)) from None
 
@@ -74,7 +75,8 @@ def scaled(first, key):
     """Snakemake's ``mem_mb`` or ``runtime`` (``key``) of a rule: ``first`` (a number, or a
     function of the wildcards) on the first attempt, growing with the attempt up to the node
     (dimattn.resources.attempt_scaled, the formulas' home)."""
-    cap = PLAN.config["cluster"]["node_mem_mb" if key == "mem_mb" else "node_runtime_min"]
+    node = "node_mem_mb" if key == "mem_mb" else "node_runtime_min"
+    cap = PLAN.config["cluster"][node]
 
     def get(wildcards, attempt=1):
         value = first(wildcards) if callable(first) else first
