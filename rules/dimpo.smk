@@ -3,7 +3,7 @@
 
 
 # Hub models and lm-eval task data come from the network: this job runs where Snakemake runs
-# (the SLURM login node), so that compute nodes run offline (HF_HUB_OFFLINE=1).
+# (the SLURM login node), so that compute jobs run offline (rules/common.smk).
 localrules:
     prefetch,
 
