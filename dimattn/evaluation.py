@@ -188,17 +188,22 @@ def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_js
     """Fill the Hugging Face cache on a machine with network (a SLURM login node), so that compute
     nodes run offline: the files of each hub model that from_pretrained reads (HUB_MODEL_FILES),
     and each lm-eval task built once with that model's tokenizer, which downloads its dataset
-    (RULER: the essays, SQuAD, HotpotQA; nltk's punkt_tab) and generates RULER's samples at every
-    metadata.max_seq_lengths."""
+    (RULER: the essays; nltk's punkt_tab) and generates RULER's samples at every
+    metadata.max_seq_lengths. RULER QA's SQuAD and HotpotQA, which lm-eval fetches into memory
+    only, are saved to files that our ruler_qa_* tasks read (lm_eval_tasks/ruler_qa.py)."""
     from huggingface_hub import snapshot_download
     from lm_eval.tasks import TaskManager
 
+    names = [t["name"] for t in tasks]
+    if {"ruler_qa_squad", "ruler_qa_hotpot"} & set(names) or "ruler" in names:
+        from .lm_eval_tasks import ruler_qa
+
+        ruler_qa.fetch()
     done = {}
     for model in models:
         snapshot_download(model, allow_patterns=HUB_MODEL_FILES, ignore_patterns=HUB_MODEL_SKIP)
-        names = [t["name"] for t in tasks]
         if names:
-            manager = TaskManager(metadata={"tokenizer": model, **(metadata or {})})
+            manager = TaskManager(include_path=str(TASKS_DIR), metadata={"tokenizer": model, **(metadata or {})})
             manager.load_task_or_group(names)
         done[model] = names
     _write_json({"models": done, "metadata": metadata or {}}, out_json)

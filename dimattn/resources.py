@@ -21,7 +21,7 @@ pretrain, P parameters, D = max_steps x batch_size x seq_len tokens, L layers, d
 V vocabulary, n = nproc processes a node, N nodes:
 
     P       = 12 L d^2 + 2 V d                       GPT-NeoX: QKV and output 4 d^2, MLP 8 d^2; untied embeddings
-    FLOPs   = 6 P D + 6 L T d D                      6PD (Kaplan et al. 2020) + causal attention, 12 L T d a token halved
+    FLOPs   = 6 P D + 6 L T d D                      6PD (Kaplan et al. 2020) + causal attention (12 L T d, halved)
     runtime = margin * FLOPs / (throughput * n * N) / 60 + startup_min
     mem_mb  = n * (16 P + 34 m T d L) / 2^20 + n * overhead_mb     host memory a node
               16 P: fp32 weights, gradients, two AdamW moments (on cuda: the host copy a checkpoint takes);

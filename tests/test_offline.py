@@ -95,8 +95,9 @@ LLAMA_REPO = [  # meta-llama/Llama-3.1-8B-Instruct's files
 
 def test_prefetch_takes_the_safetensors_and_configs_not_the_original_checkpoint():
     kept = set(filter_repo_objects(LLAMA_REPO, allow_patterns=HUB_MODEL_FILES, ignore_patterns=HUB_MODEL_SKIP))
+    weights = {f for f in LLAMA_REPO if f.endswith(".safetensors")}
     assert kept == {"config.json", "generation_config.json", "model.safetensors.index.json", "special_tokens_map.json",
-                    "tokenizer.json", "tokenizer_config.json", *(f for f in LLAMA_REPO if f.endswith(".safetensors"))}  # fmt: skip
+                    "tokenizer.json", "tokenizer_config.json", *weights}  # fmt: skip
 
 
 def test_the_prefetched_files_are_enough_for_from_pretrained(tmp_path):
@@ -129,3 +130,78 @@ def test_the_prefetched_files_are_enough_for_from_pretrained(tmp_path):
     again = AutoTokenizer.from_pretrained(fetched)
     assert again("t1 t2")["input_ids"] == tokenizer("t1 t2")["input_ids"]
     assert again.chat_template == tokenizer.chat_template
+
+
+# ---- RULER QA from the prefetched files (dimattn/lm_eval_tasks/ruler_qa.py) ---------------------
+
+LM_EVAL_RULER = Path(__import__("lm_eval").__file__).parent / "tasks" / "ruler"
+
+
+@pytest.mark.parametrize("ours, theirs", [("ruler_qa_squad", "qa_squad"), ("ruler_qa_hotpot", "qa_hotpot")])
+def test_the_ruler_qa_overrides_are_lm_eval_s_tasks_but_for_the_dataset_reader(ours, theirs):
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from dimattn.evaluation import TASKS_DIR
+
+    mine = load_yaml(TASKS_DIR / f"{ours}.yaml", resolve_func=False)
+    lm_eval_s = load_yaml(LM_EVAL_RULER / f"{theirs}.yaml", resolve_func=False)
+
+    def without_functions(cfg):  # !function paths differ by folder only: compare their names
+        text = json.dumps(cfg, sort_keys=True)
+        return json.loads(re.sub(r'"/[^"]*/(\w+\.\w+)"', lambda m: json.dumps(m.group(1).split(".")[1]), text))
+
+    assert without_functions(mine) == without_functions(lm_eval_s)
+    assert mine["custom_dataset"].endswith("lm_eval_tasks/ruler_qa." + lm_eval_s["custom_dataset"].rsplit(".")[-1])
+
+
+def fake_squad(n_questions=500, n_paragraphs=60) -> dict:
+    """SQuAD v2's dev-set layout: data[].paragraphs[].{context, qas[].{question, answers, is_impossible}}."""
+    paragraphs = [{"context": f"t{p % 30} " * 40, "qas": []} for p in range(n_paragraphs)]
+    for q in range(n_questions):
+        paragraphs[q % n_paragraphs]["qas"].append(
+            {"question": f"t{q % 30} t1", "answers": [{"text": f"t{q % 30}"}], "is_impossible": False})
+    return {"data": [{"paragraphs": paragraphs[i : i + 10]} for i in range(0, n_paragraphs, 10)]}
+
+
+class FakeResponse:
+    def __init__(self, content: bytes):
+        self.content = content
+
+    def raise_for_status(self):
+        pass
+
+
+def test_ruler_qa_reads_what_prefetch_saved_and_never_the_network(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    import requests
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from dimattn.lm_eval_tasks import ruler_qa
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(FileNotFoundError, match="run the prefetch rule"):
+        ruler_qa.read_local(ruler_qa.URLS["squad"])
+    payload = {ruler_qa.URLS["squad"]: fake_squad(), ruler_qa.URLS["hotpotqa"]: []}
+    asked = []
+    def get(url, timeout):
+        asked.append(url)
+        return FakeResponse(json.dumps(payload[url]).encode())
+
+    monkeypatch.setattr(requests, "get", get)
+    files = ruler_qa.fetch()  # the prefetch rule, on the login node
+    assert sorted(asked) == sorted(payload) and all(Path(p).is_file() for p in files.values())
+    ruler_qa.fetch()
+    assert len(asked) == 2  # kept: not fetched again
+
+    def offline(*args, **kwargs):
+        raise requests.ConnectionError("a compute node has no network")
+
+    monkeypatch.setattr(requests, "get", offline)
+    vocab = {f"t{i}": i for i in range(30)} | {"<unk>": 30}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    dataset = ruler_qa.get_squad(tokenizer=str(tmp_path / "tok"), max_seq_lengths=[4096])["test"]
+    assert len(dataset) == 500 and all(row["max_length"] == 4096 for row in dataset)
+    assert "t1" in dataset[0]["input"] and dataset[0]["outputs"] == ["t0"]

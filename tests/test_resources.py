@@ -73,7 +73,8 @@ def test_snakemake_refuses_it_at_planning(tmp_path):
     out = subprocess.run([*SNAKEMAKE, "-n", "--configfile", str(tmp_path / "small_node.yaml")], capture_output=True,
                          text=True, cwd=REPO, timeout=120)  # fmt: skip
     assert out.returncode != 0
-    assert "config key pretraining.scales.tiny.resources.mem_mb: the first attempt asks mem_mb=2000" in out.stdout + out.stderr
+    message = "config key pretraining.scales.tiny.resources.mem_mb: the first attempt asks mem_mb=2000"
+    assert message in out.stdout + out.stderr
 
 
 def test_gpt_neox_parameters_count_pythia():
@@ -155,7 +156,8 @@ def test_a_scale_s_threads_reach_slurm_as_cpus_per_task(tmp_path):
                           "configs/paper.yaml"], capture_output=True, text=True, cwd=REPO, timeout=300,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    jobs = re.findall(r"^rule pretrain:\n(?:    .*\n)*?    wildcards: run=(\S+)\n(?:    .*\n)*?    resources: (.*)", out.stdout + out.stderr, re.M)
+    job = r"^rule pretrain:\n(?:    .*\n)*?    wildcards: run=(\S+)\n(?:    .*\n)*?    resources: (.*)"
+    jobs = re.findall(job, out.stdout + out.stderr, re.M)
     asked = {run: int(re.search(r"cpus_per_task=(\d+)", res).group(1)) for run, res in jobs}
     p = plan(REPO / "configs/paper.yaml")
     assert len(asked) == len(p.runs)
