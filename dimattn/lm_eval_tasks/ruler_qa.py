@@ -6,7 +6,7 @@ keeps them in memory only (``functools.cache``), so no cache a download rule fil
 offline compute node (``ConnectionError ... rajpurkar.github.io``). The ``prefetch`` rule saves
 them with :func:`fetch` under the Hugging Face home (shared by the login and the compute nodes,
 as the hub cache is); these tasks, which override lm-eval's of the same names through the
-include path (dimattn.evaluation.TASKS_DIR), hand lm-eval's own readers and sample generator that
+include path (TASKS_DIR of dimattn.evaluation), hand lm-eval's own readers and sample generator that
 file. Same URLs (lm-eval's own defaults), same data, same samples.
 """
 
