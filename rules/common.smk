@@ -82,6 +82,12 @@ def scaled(first, key):
     (dimattn.resources.attempt_scaled, the formulas' home)."""
     node = "node_mem_mb" if key == "mem_mb" else "node_runtime_min"
     cap = PLAN.config["cluster"][node]
+    # A rule's own number: a node smaller than it is refused here, at parse.
+    if not callable(first):
+        try:
+            resources.check_node(f"cluster.{node}", key, first, PLAN.config["cluster"])
+        except resources.ResourceError as e:
+            raise WorkflowError(str(e)) from None
 
     def get(wildcards, attempt=1):
         value = first(wildcards) if callable(first) else first

@@ -77,6 +77,15 @@ def test_snakemake_refuses_it_at_planning(tmp_path):
     assert message in out.stdout + out.stderr
 
 
+def test_a_node_smaller_than_a_rule_s_own_ask_is_refused_at_planning(tmp_path):
+    small = {"cluster": {"node_mem_mb": 7000}, "dimpo": {"resources": {"mem_mb": 2000}}}
+    (tmp_path / "small_node.yaml").write_text(yaml.safe_dump(small))
+    out = subprocess.run([*SNAKEMAKE, "-n", "--configfile", str(tmp_path / "small_node.yaml")], capture_output=True,
+                         text=True, cwd=REPO, timeout=120)  # fmt: skip
+    assert out.returncode != 0
+    assert "config key cluster.node_mem_mb: the first attempt asks mem_mb=8000" in out.stdout + out.stderr
+
+
 def test_gpt_neox_parameters_count_pythia():
     # README: 70,426,624 at 70M and 405,334,016 at 410M with vocabulary 50,304 (biases and norms aside).
     assert resources.gpt_neox_parameters(512, 6, 50304) == pytest.approx(70_426_624, rel=1e-3)
