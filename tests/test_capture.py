@@ -1,0 +1,94 @@
+"""dimattn.capture's host memory: the capture of a scaled-down Llama (random weights, GQA) peaks at
+about one copy of the captured tensors, in memory and while it is saved, and its file has the bytes
+safetensors' own save_file writes of the same tensors."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dimattn.affine import _metadata, _sort_metadata
+from dimattn.capture import capture_qkv
+from dimattn.projections import save_capture
+
+# Run in a fresh process so that its peak RSS (ru_maxrss) is the capture's, not the test session's.
+MEASURE = textwrap.dedent(
+    """
+    import ctypes, json, resource, sys
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from dimattn.capture import capture_qkv
+    from dimattn.projections import save_capture
+
+    def status(key):  # bytes, from /proc/self/status (VmRSS: now; VmHWM: the peak since the reset)
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+    n, t, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=t)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 256, (n, t))
+    model(input_ids=ids[:1], use_cache=False)  # the working set of one forward pass
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap goes back, so that "before" is what is live
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    before = status("VmRSS")
+    capture = capture_qkv(model, ids, batch_size=1)
+    captured = sum(x.numel() * x.element_size() for parts in capture.values() for x in parts.values())
+    capture_peak = status("VmHWM")
+    save_capture(capture, out, {"model": "llama"})
+    print(json.dumps(dict(before=before, captured=captured, model=model_bytes, capture_peak=capture_peak,
+                          held=status("VmRSS"), peak=status("VmHWM"))))
+    """
+)
+
+
+def measure(tmp_path, n=16, t=512):
+    result = subprocess.run([sys.executable, "-c", MEASURE, str(n), str(t), str(tmp_path / "c.safetensors")],
+                            capture_output=True, text=True, check=True)  # fmt: skip
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_capture_peaks_at_about_one_copy_of_the_captured_tensors(tmp_path):
+    m = measure(tmp_path)
+    # 8 layers x 16 sequences x 512 positions x (8 + 2 + 2 heads) x 32 dims x 4 bytes = 96 MiB.
+    assert m["captured"] == 8 * 16 * 512 * 12 * 32 * 4
+    growth = m["peak"] - m["before"]  # the model and one forward pass are in "before"
+    print(f"captured {m['captured'] / 2**20:.1f} MiB, model {m['model'] / 2**20:.1f} MiB, peak growth "
+          f"{growth / 2**20:.1f} MiB ({growth / m['captured']:.2f}x; capture alone "
+          f"{(m['capture_peak'] - m['before']) / m['captured']:.2f}x)")  # fmt: skip
+    assert growth <= 1.2 * m["captured"], m
+
+
+def gqa_llama(t=24):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=t)  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def test_capture_file_is_what_save_file_writes_of_the_concatenated_batches(tmp_path):
+    model = gqa_llama()
+    ids = torch.randint(0, 64, (5, 24), generator=torch.Generator().manual_seed(1))
+    capture = capture_qkv(model, ids, batch_size=2)  # three forward passes: 2 + 2 + 1 sequences
+    whole = capture_qkv(model, ids)
+    for layer, parts in capture.items():
+        for name, tensor in parts.items():
+            torch.testing.assert_close(tensor, whole[layer][name], rtol=0, atol=1e-6)
+    meta = {"model": "llama"}
+    save_capture(capture, tmp_path / "streamed.safetensors", meta)
+    # The reference: safetensors' own writer on the same tensors and metadata, headers sorted.
+    tensors = {f"layer{layer}.{name}": t for layer, parts in capture.items() for name, t in parts.items()}
+    derived = dict(head_dim=8, heads=4, kv_heads=2, seq_len=24, n_sequences=5, layers=[0, 1, 2])
+    save_file(tensors, str(tmp_path / "reference.safetensors"), metadata=_metadata({**meta, **derived}))
+    _sort_metadata(tmp_path / "reference.safetensors")
+    assert Path(tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
