@@ -357,7 +357,8 @@ def unlaid(tex: str) -> str:
     each tabular (``latex.FIT``; before it, a ``\\resizebox{\\linewidth}`` on some)."""
     boxes = (latex.FIT, r"\resizebox{\linewidth}{!}{%")
     lines = [line for line in tex.split("\n") if not line.startswith("% requires: ") and line not in boxes]
-    return "\n".join(lines).replace("\\end{tabular}\n}\n", "\\end{tabular}\n").replace("\\end{tabular}}", "\\end{tabular}")
+    text = "\n".join(lines).replace("\\end{tabular}\n}\n", "\\end{tabular}\n")
+    return text.replace("\\end{tabular}}", "\\end{tabular}")
 
 
 def test_seed_zero_alone_renders_as_one_seed(three, tmp_path):

@@ -64,7 +64,8 @@ def test_saved_run_still_loads_with_trust_remote_code_in_a_fresh_process(run_dir
 def test_tokenizer_loads_with_a_terminal_attached_and_no_question(run_dir):
     if shutil.which("script") is None or shutil.which("timeout") is None:
         pytest.skip("needs util-linux's script and coreutils' timeout")
-    code = f"from transformers import AutoTokenizer; print('LOADED', len(AutoTokenizer.from_pretrained({str(run_dir)!r})))"
+    code = (f"from transformers import AutoTokenizer; "
+            f"print('LOADED', len(AutoTokenizer.from_pretrained({str(run_dir)!r})))")
     command = f"timeout 60 {sys.executable} -c \"{code}\""
     out = subprocess.run(["script", "-qc", command, "/dev/null"], stdin=subprocess.DEVNULL, capture_output=True,
                          text=True, env=ENV, timeout=120)  # fmt: skip

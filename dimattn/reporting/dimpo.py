@@ -153,7 +153,8 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
         paper_model=paper_model,
         paper_head_dim=DIMPO_HEAD_DIM,
         paper_only=", ".join(
-            OBJECTIVE_LABELS.get(o, o) for o in sorted(set(ref["objective"]) - set(means["objective"]), key=objective_rank)
+            OBJECTIVE_LABELS.get(o, o)
+            for o in sorted(set(ref["objective"]) - set(means["objective"]), key=objective_rank)
         ),
         spread_note=cell.note(),
     )

@@ -265,7 +265,8 @@ def subtask_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pa
             objective = _PAPER_METHODS.get((r["method"], r["k"], r["lambda"]), r["method"])
             table |= {(objective, c): Spread.of([float(r[c])]) for c in paper_columns if r[c] != ""}
         lookups.append((table, paper_columns))
-    objectives = sorted({o for table, _ in lookups for o, _ in table}, key=lambda o: (o != BASE_OBJECTIVE, objective_rank(o)))
+    objectives = sorted({o for table, _ in lookups for o, _ in table},
+                        key=lambda o: (o != BASE_OBJECTIVE, objective_rank(o)))  # fmt: skip
     body = [{"label": _objective_label(o), "space": False,
              "cells": [cell(table[(o, c)], lambda v: fmt(v, 1)) if (o, c) in table else MISSING
                        for table, columns in lookups for c in columns]}
