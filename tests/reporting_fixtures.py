@@ -567,10 +567,18 @@ def rows(tex: str) -> list[str]:
     out = [line for line in first.splitlines() if line.endswith(r"\\")]
     for segment in continued:
         tabular = segment[: segment.index(r"\end{tabular}")]
+        spec = re.search(r"\\begin\{tabular\}\{([^}]*)\}", tabular).group(1)
+        labels = len(spec) - len(spec.lstrip("l"))  # the leading label columns, repeated in each part
         more = [line for line in tabular.splitlines() if line.endswith(r"\\")]
         start = len(out) - len(more)
         for i, line in enumerate(more):
-            out[start + i] = " & ".join([out[start + i].rstrip(" \\")] + cells(line)[1:]) + r" \\"
+            rest, span = cells(line), 0
+            while span < labels:
+                head = re.match(r"\\multicolumn\{(\d+)\}", rest.pop(0))
+                span += int(head.group(1)) if head else 1
+            out[start + i] = " & ".join([out[start + i].rstrip(" \\")] + rest) + r" \\"
+        after = segment[segment.index(r"\end{tabular}"):]  # the tabulars that follow, of their own
+        out += [line for line in after.splitlines() if line.endswith(r"\\")]
     return out
 
 

@@ -37,6 +37,10 @@ STYLES = ["geometry.sty", "booktabs.sty", "amsmath.sty", "graphicx.sty"]
 ALLOWED = {"booktabs", "amsmath", "graphicx"}  # the plain article's packages
 TABLES = [name for name in outputs.OUTPUTS if name.endswith(".tex")]
 OVERFULL_PT = 3.0  # "a few points": rounding in a column no one sees
+# latex.FIT may shrink a tabular to the text width by at most a quarter (still readable); grids
+# wider than that are split into tabulars that fit (latex.split_columns).
+MAX_SHRINK = 0.25
+TEXT_WIDTH_PT = 510.0  # A4 less 2 x 1.5 cm
 
 
 def _missing() -> list[str]:
@@ -107,6 +111,19 @@ def test_table_compiles_within_the_page(tables, name, tmp_path):
     overfull = [float(pt) for pt in re.findall(r"Overfull \\hbox \(([\d.]+)pt too wide\)", log)]
     assert max(overfull, default=0.0) <= OVERFULL_PT, overfull
     assert "Float too large" not in log
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_no_table_is_shrunk_by_more_than_a_quarter(tables, name, tmp_path):
+    """Compiled at its natural size (latex.FIT's box replaced by a plain group), a tabular
+    exceeds the text width by at most what FIT may shrink."""
+    _install_or_skip()
+    tex = tables[name].read_text()
+    assert tex.count(latex.FIT) == tex.count(r"\begin{tabular}")  # every tabular is boxed
+    log = _compile(tex.replace(latex.FIT, "{%"), tmp_path)
+    overfull = [float(pt) for pt in re.findall(r"Overfull \\hbox \(([\d.]+)pt too wide\)", log)]
+    widest = TEXT_WIDTH_PT + max(overfull, default=0.0)
+    assert TEXT_WIDTH_PT / widest >= 1 - MAX_SHRINK, f"{name}: {widest:.0f} pt wide, shrunk to {TEXT_WIDTH_PT / widest:.2f}"
 
 
 def test_labels_and_comments_are_not_escaped(tables):

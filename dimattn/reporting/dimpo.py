@@ -137,19 +137,32 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
                 rows.append({"objective": _label(objective, setting), "source": "paper", "cells": cells})
             groups.append(rows)
         n_layers = sorted(ours["n_layers"].unique())
-        blocks.append(
-            {
-                "model": model,
-                "head_dim": int(head_dim),
-                "n_layers": ", ".join(str(n) for n in n_layers),
-                "columns": columns,
-                "groups": groups,
-            }
-        )
+        # d' columns too many for one page's width continue in tabulars below (latex.split_columns).
+        flat = [{"label": Tex(f"{row['objective']} {row['source']}"), "cells": row["cells"]} for rows in groups
+                for row in rows]  # fmt: skip
+        parts = latex.split_columns([{"title": c["ratio"], "columns": ["KL", "MSE"]} for c in columns], flat,
+                                    "Objective Source")  # fmt: skip
+        for i, part in enumerate(parts):
+            keep = [j for _, indices in part for j in indices]
+            blocks.append(
+                {
+                    "model": model,
+                    "head_dim": int(head_dim),
+                    "n_layers": ", ".join(str(n) for n in n_layers),
+                    "columns": [columns[g] for g, _ in part],
+                    "groups": [[row | {"cells": [row["cells"][j] for j in keep]} for row in rows] for rows in groups],
+                    "continued": i > 0,
+                    "last": i == len(parts) - 1,
+                }
+            )
+    # A block's lines: its rows, the header's four, the spacing between objectives and the footnote.
+    heights = [sum(len(rows) for rows in b["groups"]) + 4 + len(b["groups"]) / 2 + 2 for b in blocks]
     return latex.render(
         "dimpo_fidelity.tex.j2",
         path,
-        blocks=blocks,
+        floats=latex.page_floats(blocks, heights, " " * 900 + str(cell.note())),
+        many_models=len({b["model"] for b in blocks}) > 1,
+        continued=latex.CONTINUED,
         paper_model=paper_model,
         paper_head_dim=DIMPO_HEAD_DIM,
         paper_only=", ".join(

@@ -162,18 +162,24 @@ def grouped_table(path: Path, generator: str, groups: list[dict], rows: list[dic
             "n_columns": len(columns),
             "continued": bool(parts),
         })  # fmt: skip
-    # Floats of at most a page's lines (12 pt a row; the caption's lines with the first), the later
-    # ones continuing the first table under its number.
-    floats, lines = [[]], len(str(caption) + str(spread_note)) / 100
-    for part in parts:
-        height = len(rows) + 4 + sum(row["space"] for row in rows) / 2
+    height = len(rows) + 4 + sum(row["space"] for row in rows) / 2
+    floats = page_floats(parts, [height] * len(parts), str(caption) + str(spread_note))
+    return render("dimpo_study.tex.j2", path, floats=floats, function=generator, caption=caption, label=label,
+                  row_header=row_header, spread_note=spread_note, continued=CONTINUED)  # fmt: skip
+
+
+def page_floats(parts: list, heights: list[float], caption: str) -> list[list]:
+    """``parts`` (tabulars ``heights`` lines high) grouped into floats of at most a page
+    (:data:`PAGE_LINES`; the caption's lines count with the first), the later floats continuing
+    the first table under its number."""
+    floats, lines = [[]], len(caption) / 100
+    for part, height in zip(parts, heights, strict=True):
         if floats[-1] and lines + height > PAGE_LINES:
             floats.append([])
             lines = 1
         floats[-1].append(part)
         lines += height
-    return render("dimpo_study.tex.j2", path, floats=floats, function=generator, caption=caption, label=label,
-                  row_header=row_header, spread_note=spread_note, continued=CONTINUED)  # fmt: skip
+    return floats
 
 
 _COMMAND_RE = re.compile(r"\\[a-zA-Z]+|[{}$]")
