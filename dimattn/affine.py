@@ -2,6 +2,17 @@
 saved as safetensors. Shared by the fits (dimattn.projections) and by the projected models
 (dimattn.modeling_projected), whose directories carry a copy of this module, so it imports only
 torch, safetensors and dimattn.atomic.
+
+The file format, shared with the QKV captures (dimattn.projections.save_capture,
+dimattn.capture): one safetensors file of ``layer{l}.{part}`` tensors, with JSON metadata.
+
+* :func:`encode_metadata` / :func:`read_metadata`: a metadata mapping to safetensors' strings
+  (each value JSON) and back;
+* :func:`save_atomic`: write the tensors under a temporary name, metadata sorted so that equal
+  contents give equal bytes, then rename;
+* :func:`load_layers`: ``({layer: {part: tensor}}, metadata)``, a missing, truncated or corrupt
+  file or a tensor of another name refused (:class:`DamagedFileError`) naming the file;
+* :func:`check_meta`: refuse metadata that contradicts or lacks what the tensors say.
 """
 
 import json
@@ -22,11 +33,14 @@ class DamagedFileError(ValueError):
     the message names the file and what is wrong."""
 
 
-def _metadata(meta: Mapping) -> dict[str, str]:
+def encode_metadata(meta: Mapping) -> dict[str, str]:
+    """safetensors' metadata (strings) from ``meta``: each value as JSON."""
     return {key: json.dumps(value) for key, value in meta.items()}
 
 
-def _read_metadata(path, what: str = "file") -> dict:
+def read_metadata(path, what: str = "file") -> dict:
+    """The metadata of a safetensors file, each value decoded from JSON (``what``: how a
+    refusal names the file)."""
     with safe_open(str(path), framework="pt") as f:
         raw = f.metadata() or {}
     meta = {}
@@ -38,7 +52,7 @@ def _read_metadata(path, what: str = "file") -> dict:
     return meta
 
 
-def _load_layers(path, parts: tuple[str, ...], what: str) -> tuple[dict[int, dict[str, torch.Tensor]], dict]:
+def load_layers(path, parts: tuple[str, ...], what: str) -> tuple[dict[int, dict[str, torch.Tensor]], dict]:
     """({layer: {part: tensor}}, metadata) from a safetensors file of ``layer{l}.{part}``
     tensors; a missing, truncated or corrupt file, or a tensor of another name, is refused with
     the file named."""
@@ -47,7 +61,7 @@ def _load_layers(path, parts: tuple[str, ...], what: str) -> tuple[dict[int, dic
         raise FileNotFoundError(f"{what} {path} does not exist")
     try:
         tensors = load_file(str(path))
-        meta = _read_metadata(path, what)
+        meta = read_metadata(path, what)
     except (SafetensorError, OSError) as e:
         raise DamagedFileError(
             f"{what} {path} is not a readable safetensors file ({e}): truncated or corrupt; "
@@ -66,7 +80,7 @@ def _load_layers(path, parts: tuple[str, ...], what: str) -> tuple[dict[int, dic
     return dict(sorted(layers.items())), meta
 
 
-def _check_meta(path, what: str, meta: dict, derived: dict) -> None:
+def check_meta(path, what: str, meta: dict, derived: dict) -> None:
     """Refuse a file whose metadata contradicts (or lacks) what its tensors say."""
     for key, value in derived.items():
         if key not in meta:
@@ -92,7 +106,7 @@ def _sort_metadata(path: Path) -> None:
             f.write(text.ljust(size, b" "))
 
 
-def _save_atomic(tensors, path, metadata) -> None:
+def save_atomic(tensors, path, metadata) -> None:
     """safetensors into a temp sibling, then rename: a killed job leaves no half-written file."""
     with atomic_file(Path(path)) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
@@ -153,7 +167,7 @@ def save_projections(projections, path, meta: Mapping | None = None) -> None:
         tensors[f"layer{layer}.W"] = p.W.contiguous()
         if p.b is not None:
             tensors[f"layer{layer}.b"] = p.b.contiguous()
-    _save_atomic(tensors, path, _metadata(meta))
+    save_atomic(tensors, path, encode_metadata(meta))
 
 
 def load_projections(path):
@@ -161,7 +175,7 @@ def load_projections(path):
     file, a layer without W, W of another shape than the other layers' or a bias of another
     length than d', or metadata that contradicts the tensors, is refused naming the file."""
     what = "projections file"
-    parts, meta = _load_layers(path, ("W", "b"), what)
+    parts, meta = load_layers(path, ("W", "b"), what)
     first = min(parts)
     for layer, p in parts.items():
         if "W" not in p:
@@ -181,7 +195,7 @@ def load_projections(path):
             )
     d_prime, d = parts[first]["W"].shape
     derived = {"d_prime": d_prime, "head_dim": d, "layers": sorted(parts), "bias": "b" in parts[first]}
-    _check_meta(path, what, meta, derived)
+    check_meta(path, what, meta, derived)
     projections = {layer: Affine(p["W"], p.get("b")) for layer, p in parts.items()}
     return projections, meta
 

@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .affine import _read_metadata
+from .affine import read_metadata
 from .hf import is_dimattn_directory, switch_attention
 from .projections import resolve_settings, save_capture
 
@@ -170,4 +170,4 @@ def capture_to_file(source, documents, seq_len: int, n_sequences: int, out_path,
         "capture_dtype": settings.capture_dtype, "special_tokens": settings.special_tokens,
     }  # fmt: skip
     save_capture(capture, out_path, meta)
-    return _read_metadata(out_path)
+    return read_metadata(out_path)

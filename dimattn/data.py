@@ -350,9 +350,24 @@ def _check_max_length(model_max_length) -> None:
         raise DataError(f"model_max_length must be an int >= 1, got {model_max_length!r}")
 
 
+# What transformers records in a tokenizer it loads from a local folder; saved again, it would
+# carry the loading run's flags into every later reader's tokenizer_config.json.
+LOAD_FLAGS = ("local_files_only", "is_local")
+
+
+def save_tokenizer(tokenizer, directory) -> None:
+    """``tokenizer.save_pretrained(directory)``, its tokenizer_config.json without
+    :data:`LOAD_FLAGS`; the tokenizer object keeps them."""
+    flags = {k: tokenizer.init_kwargs.pop(k) for k in LOAD_FLAGS if k in tokenizer.init_kwargs}
+    try:
+        tokenizer.save_pretrained(directory)
+    finally:
+        tokenizer.init_kwargs.update(flags)
+
+
 def _save_tokenizer(tokenizer, out_dir: Path) -> None:
     with atomic_dir(Path(out_dir)) as tmp:
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
 
 
 def train_tokenizer(

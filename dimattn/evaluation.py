@@ -267,6 +267,23 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
     return {"results": _jsonable(results), "num_fewshot": configs} | ({"context_filter": filtered} if min_context else {})
 
 
+def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: str = "cpu",
+                    distance_bins: list[int] | None = None, corpus: str = "recall",
+                    max_examples: int | None = None) -> dict:
+    """Recall accuracy (:func:`dimattn.recall.score_recall`) of the run at model_dir, as JSON."""
+    from .recall import load_examples, score_recall
+
+    if type(batch_size) is not int or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    load_examples(tokens_bin)  # a damaged corpus fails before the model loads
+    model = load_model(Path(model_dir), device)
+    result = {**run_metadata(Path(model_dir)), "corpus": corpus}
+    result.update(score_recall(model, tokens_bin, batch_size, distance_bins, max_examples))
+    with atomic_file(Path(out_json)) as tmp:
+        tmp.write_text(json.dumps(result, indent=2))
+    return result
+
+
 def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
                 device: str = "cpu", dtype: str = "float32", allow_unsafe_code: bool = False,
                 partial_dir: Path | None = None, exclude_shorter_than_window: bool = False) -> dict:  # fmt: skip

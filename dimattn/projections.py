@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .affine import Affine, DamagedFileError, _check_meta, _load_layers, _metadata, _save_atomic, as_affine
-from .affine import check_head_dim, load_projections, logit_scale
-from .affine import projected_logits, save_projections
+from .affine import Affine, DamagedFileError, as_affine, check_head_dim, check_meta, encode_metadata, load_layers
+from .affine import load_projections, logit_scale, projected_logits, save_atomic, save_projections
 from .atomic import atomic_file
+from .formats import FIDELITY_COLUMNS
 from .objectives import get_objective, pca_projection, select_pairs
 from .settings import from_mapping
 
@@ -83,7 +83,7 @@ def save_capture(capture, path, meta: Mapping | None = None) -> None:
         f"layer{layer}.{name}": t.contiguous() for layer, qkv in capture.items() for name, t in qkv.items()
         if name != "window"
     }
-    _save_atomic(tensors, path, _metadata({**meta, **derived}))
+    save_atomic(tensors, path, encode_metadata({**meta, **derived}))
 
 
 def load_capture(path):
@@ -93,7 +93,7 @@ def load_capture(path):
     layer alike, k_far and v_far shaped as k and v), or metadata contradicting them is refused
     naming the file."""
     what = "capture"
-    capture, meta = _load_layers(path, CAPTURE_PARTS, what)
+    capture, meta = load_layers(path, CAPTURE_PARTS, what)
     first = min(capture)
     for layer, qkv in capture.items():
         missing = [part for part in "qkv" if part not in qkv]
@@ -121,7 +121,7 @@ def load_capture(path):
     n, heads, seq_len, head_dim = capture[first]["q"].shape
     derived = dict(head_dim=head_dim, heads=heads, kv_heads=capture[first]["k"].shape[1], seq_len=seq_len,
                    n_sequences=n, layers=sorted(capture))  # fmt: skip
-    _check_meta(path, what, meta, derived)
+    check_meta(path, what, meta, derived)
     windows = meta.get("windows", {})
     far = sorted(layer for layer, qkv in capture.items() if "k_far" in qkv)
     if sorted(int(layer) for layer in windows) != far:
@@ -674,15 +674,13 @@ def fit_to_file(capture_path, objective: str, d_prime: int, hparams, out_path, d
 def fidelity_to_file(capture_path, projections_path, out_csv, model_name: str, objective: str, d_prime: int,
                      setting: str = "default", device: str | None = None) -> list[dict]:  # fmt: skip
     """Per-layer attention fidelity on the evaluation capture, as a CSV with
-    dimattn.reporting.summaries.FIDELITY_COLUMNS.
+    dimattn.formats.FIDELITY_COLUMNS.
 
     kl, mse: at the projection's train_scale (Table 1); kl_inference, mse_inference: at its
     inference_scale, what the model sees once the projection replaces attention (equal to kl,
     mse when the two scales agree). causal and mse_head_chunk come from the fit's settings;
     ``setting`` names them (dimattn.sweeps.setting_name).
     """
-    from .reporting.summaries import FIDELITY_COLUMNS
-
     capture, meta = load_capture(capture_path)
     projections, pmeta = load_projections(projections_path)
     check_head_dim(projections, meta["head_dim"], projections_path)

@@ -59,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import atomic_dir, atomic_file
+from .atomic import atomic_dir
 from .data import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPLITS, DataError, load_tokens
 
 UNK_TOKEN, QUERY_TOKEN = "<|unk|>", "<|query|>"
@@ -477,22 +477,4 @@ def score_recall(model, tokens_bin, batch_size: int, distance_bins: list[int] | 
     result["chance"] = 1.0 / n_values
     if through_cache:
         result["prefill"] = layout["min_query_pos"]
-    return result
-
-
-def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: str = "cpu",
-                    distance_bins: list[int] | None = None, corpus: str = "recall",
-                    max_examples: int | None = None) -> dict:
-    """Recall accuracy (:func:`score_recall`) of the run at model_dir, as JSON."""
-    from .evaluation import load_model
-    from .runs import run_metadata
-
-    if type(batch_size) is not int or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    load_examples(tokens_bin)  # a damaged corpus fails before the model loads
-    model = load_model(Path(model_dir), device)
-    result = {**run_metadata(Path(model_dir)), "corpus": corpus}
-    result.update(score_recall(model, tokens_bin, batch_size, distance_bins, max_examples))
-    with atomic_file(Path(out_json)) as tmp:
-        tmp.write_text(json.dumps(result, indent=2))
     return result

@@ -500,7 +500,7 @@ def _need_dataset(p: Plan, key: str, name: str) -> None:
 def check_references(p: Plan) -> None:
     """Every dataset, scale, run and objective one section names must exist in another, and
     the folder of the papers' numbers must exist (relative to the working directory)."""
-    from .reporting.paper import missing
+    from .reference import missing
 
     reference = Path(p.config["reference_dir"])
     if not reference.is_dir():

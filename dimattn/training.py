@@ -40,7 +40,7 @@ from transformers import AutoTokenizer
 
 from .atomic import atomic_dir, atomic_file
 from .configuration_dimattn import DimAttnConfig
-from .data import load_loss_mask, load_tokens
+from .data import load_loss_mask, load_tokens, save_tokenizer
 from .modeling_dimattn import DimAttnForCausalLM
 from .settings import from_mapping
 
@@ -607,7 +607,7 @@ def _export(model, tokenizer, train_cfg: TrainConfig, rows: list, out_dir: Path,
     model.register_for_auto_class("AutoModelForCausalLM")
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)  # without the flags of this run's loading
         _write_metrics(tmp / "metrics.csv", rows)
         (tmp / "training.json").write_text(json.dumps({**asdict(train_cfg), "resolved_precision": precision}, indent=2))
 

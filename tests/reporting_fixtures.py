@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from dimattn import paths, variants
-from dimattn.reporting import summaries
+from dimattn.reporting import latex, summaries
 from dimattn.sweeps import RULER_TASKS
 
 REFERENCE = Path(__file__).resolve().parents[1] / "reference"
@@ -560,9 +560,31 @@ def write_full_summaries(root: Path, raw=None, runs=FULL) -> Path:
 # ----------------------------------------------------------------------------- reading tables
 
 
+def rows(tex: str) -> list[str]:
+    """The rows of a table (lines ending in ``\\\\``), a grid split over tabulars joined back: the
+    i-th row of a tabular opened by ``latex.CONTINUED`` goes on the i-th row of the one before."""
+    first, *continued = tex.split(latex.CONTINUED + "\n")
+    out = [line for line in first.splitlines() if line.endswith(r"\\")]
+    for segment in continued:
+        tabular = segment[: segment.index(r"\end{tabular}")]
+        spec = re.search(r"\\begin\{tabular\}\{([^}]*)\}", tabular).group(1)
+        labels = len(spec) - len(spec.lstrip("l"))  # the leading label columns, repeated in each part
+        more = [line for line in tabular.splitlines() if line.endswith(r"\\")]
+        start = len(out) - len(more)
+        for i, line in enumerate(more):
+            rest, span = cells(line), 0
+            while span < labels:
+                head = re.match(r"\\multicolumn\{(\d+)\}", rest.pop(0))
+                span += int(head.group(1)) if head else 1
+            out[start + i] = " & ".join([out[start + i].rstrip(" \\")] + rest) + r" \\"
+        after = segment[segment.index(r"\end{tabular}"):]  # the tabulars that follow, of their own
+        out += [line for line in after.splitlines() if line.endswith(r"\\")]
+    return out
+
+
 def table_line(tex: str, *needles: str) -> str:
     """The one body row of a table that contains every needle."""
-    lines = [line for line in tex.splitlines() if line.endswith(r"\\") and all(n in line for n in needles)]
+    lines = [line for line in rows(tex) if all(n in line for n in needles)]
     assert len(lines) == 1, (needles, lines)
     return lines[0]
 

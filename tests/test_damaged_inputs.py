@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dimattn import data, training
-from dimattn.affine import Affine, DamagedFileError, _metadata, check_head_dim, load_projections, save_projections
+from dimattn.affine import Affine, DamagedFileError, check_head_dim, encode_metadata, load_projections, save_projections
 from dimattn.data import DataError
 from dimattn.projections import fidelity_to_file, fit_to_file, load_capture, save_capture
 from dimattn.reporting import paper
@@ -260,7 +260,7 @@ def test_projections_file_of_the_wrong_shape_is_refused(tmp_path, case):
     if case == "metadata not JSON":
         save_file(tensors, str(path), metadata=meta)
     else:
-        save_file(tensors, str(path), metadata=_metadata(meta))
+        save_file(tensors, str(path), metadata=encode_metadata(meta))
     with pytest.raises(DamagedFileError, match=pattern) as e:
         load_projections(path)
     assert str(path) in str(e.value)
@@ -313,12 +313,12 @@ def tampered_capture(path: Path, change) -> None:
     """The capture save_capture writes, with its tensors changed, and its metadata kept."""
     cap = capture()
     save_capture(cap, path, {"model": "tiny"})
-    from dimattn.affine import _read_metadata
+    from dimattn.affine import read_metadata
 
-    meta = _read_metadata(path)
+    meta = read_metadata(path)
     tensors = {f"layer{layer}.{part}": t for layer, qkv in cap.items() for part, t in qkv.items()}
     change(tensors, meta)
-    save_file(tensors, str(path), metadata=_metadata(meta))
+    save_file(tensors, str(path), metadata=encode_metadata(meta))
 
 
 CAPTURE_DAMAGE = {

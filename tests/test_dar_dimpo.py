@@ -146,13 +146,13 @@ def test_vanilla_capture_is_unchanged_and_a_far_layer_needs_its_window(tmp_path)
 
     from safetensors.torch import load_file, save_file
 
-    from dimattn.affine import _metadata, _read_metadata
+    from dimattn.affine import encode_metadata, read_metadata
 
     capture = capture_qkv(tiny(), ids())
     save_capture(capture, tmp_path / "d.safetensors")
-    tensors, meta = load_file(str(tmp_path / "d.safetensors")), _read_metadata(tmp_path / "d.safetensors")
+    tensors, meta = load_file(str(tmp_path / "d.safetensors")), read_metadata(tmp_path / "d.safetensors")
     meta["windows"].pop("1")
-    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=_metadata(meta))
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=encode_metadata(meta))
     with pytest.raises(DamagedFileError, match=r"windows of layers \[0\], the tensors hold far keys of layers \[0, 1"):
         load_capture(tmp_path / "bad.safetensors")
 

@@ -78,3 +78,27 @@ def test_no_module_repeats_a_config_value():
     repeated = [f"{p.relative_to(REPO)}: {v}" for p in sorted(REPO.glob("dimattn/**/*.py"))
                 for v in values if f'"{v}"' in p.read_text() or f"'{v}'" in p.read_text()]
     assert not repeated, repeated
+
+
+def _drawn_rules() -> set[str]:
+    """The rule names in the README's DAG drawing: its words outside parentheses (the notes)."""
+    readme = (REPO / "README.md").read_text()
+    drawing = re.search(r"^## The DAG\n\n```\n(.*?)^```", readme, re.S | re.M).group(1)
+    return set(re.findall(r"[a-z][a-z0-9_]*", re.sub(r"\([^)]*\)", "", drawing)))
+
+
+def test_readme_dag_draws_the_real_rules():
+    """Every rule the workflow defines (snakemake --list-rules on the default config, the render
+    rules of its report categories included) is in the README's drawing, and every name there
+    is a rule."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "snakemake", "--list-rules"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rules = set(out.stdout.split())
+    assert {"all", "pretrain", "render_dar"} <= rules, rules
+    drawn = _drawn_rules()
+    assert sorted(drawn - rules) == [], "drawn but no such rule"
+    assert sorted(rules - drawn) == [], "rules missing from the drawing"

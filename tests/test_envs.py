@@ -53,11 +53,11 @@ LAZY = {
     ("dimattn.data", "datasets"): {"pretrain", "perplexity", "recall", "capture_qkv"},
     # lm_eval_results and prefetch import lm-eval in the function.
     # rule perplexity shares workflow_scripts/score_text.py with score_text but has
-    # params.lm_eval=None, so it never calls run_lm_eval; recall and generate_recall reach
-    # dimattn.evaluation for load_model alone (dimattn.recall imports it in evaluate_recall).
-    ("dimattn.evaluation", "lm-eval"): {"perplexity", "recall", "generate_recall"},
+    # params.lm_eval=None, so it never calls run_lm_eval; recall reaches dimattn.evaluation for
+    # evaluate_recall alone.
+    ("dimattn.evaluation", "lm-eval"): {"perplexity", "recall"},
     # prefetch alone imports dimattn/lm_eval_tasks/ruler_qa.py (requests, for RULER QA's files).
-    ("dimattn.evaluation", "requests"): {"perplexity", "recall", "generate_recall"},
+    ("dimattn.evaluation", "requests"): {"perplexity", "recall"},
 }
 
 

@@ -336,3 +336,70 @@ def test_rope_tables_rotate_q_and_k_like_apply_rotary(rotary_pct):
         torch.testing.assert_close(got[..., row, :], want)
     torch.testing.assert_close(got[..., 2, :], x[..., 2, :])
     torch.testing.assert_close(Rope(cos, sin, 16)(x[..., 1:, :], rows=slice(1, 3)), got[..., 1:, :])
+
+
+# ----------------------------------------------------------------------------- shapes where rotary matters
+#
+# head_dim 32 with rotary_pct 0.5: 16 rotary channels, 8 frequencies (the tiny models above have
+# one), and weights large enough that attention is far from uniform, so each frequency shows.
+
+
+def wide(attention="vanilla", **kw):
+    cfg = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, rotary_pct=0.5,
+               max_position_embeddings=128, initializer_range=0.2, attention=attention)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return DimAttnForCausalLM(DimAttnConfig(**cfg)).eval()
+
+
+def test_rotary_frequencies_follow_gpt_neox():
+    """Channel pair i of n rotary channels turns by position * base^(-2i / n), as GPT-NeoX's."""
+    config = DimAttnConfig(hidden_size=64, num_attention_heads=2, rotary_pct=0.5)
+    cos, sin = RotaryEmbedding(config)(torch.arange(50).expand(1, 50))
+    n = 16
+    assert cos.shape == (1, 1, 50, n)
+    for p in (1, 7, 49):
+        for i in range(n // 2):
+            angle = torch.tensor(p * config.rotary_emb_base ** (-2 * i / n), dtype=torch.float64)
+            for channel in (i, i + n // 2):  # rotate_half pairs channel i with i + n/2
+                torch.testing.assert_close(cos[0, 0, p, channel].double(), angle.cos(), atol=1e-5, rtol=0)
+                torch.testing.assert_close(sin[0, 0, p, channel].double(), angle.sin(), atol=1e-5, rtol=0)
+
+
+def test_vanilla_equals_transformers_gpt_neox_with_the_same_weights():
+    """A vanilla model is GPT-NeoX: transformers' own GPTNeoXForCausalLM, given our state dict
+    (its names, the head aside), computes the same logits."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    ours = wide()
+    c = ours.config
+    theirs = GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, intermediate_size=c.intermediate_size, hidden_act=c.hidden_act,
+        rotary_pct=c.rotary_pct, rotary_emb_base=c.rotary_emb_base, max_position_embeddings=c.max_position_embeddings,
+        layer_norm_eps=c.layer_norm_eps, use_parallel_residual=c.use_parallel_residual, tie_word_embeddings=False,
+        attention_bias=True,
+    )).eval()  # fmt: skip
+    state = {("lm_head.weight" if k == "embed_out.weight" else k): v for k, v in ours.state_dict().items()}
+    theirs.load_state_dict(state, strict=True)
+    x = torch.randint(0, 97, (2, 100))
+    with torch.no_grad():
+        want = theirs(x).logits
+        got = ours(x).logits
+    assert want.std() > 1  # logits far from uniform: attention, and so rotary, matter
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["vanilla", "dar", "dar-w1", "uniform", "swa", "dilated"])
+def test_cached_logits_equal_uncached_logits(layout):
+    """Each decoding step's logits through the cache (DimAttnCache's latents for DAR and Uniform)
+    within a tolerance of a full forward over the same tokens: far keys keep their rotary."""
+    model = wide(**{"window": 4, "d_down": 8} | LAYOUTS[layout], eos_token_id=None, bos_token_id=None)
+    x = torch.randint(1, 97, (2, 30))
+    kw = dict(max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(x), pad_token_id=0)
+    out = model.generate(x, use_cache=True, output_logits=True, return_dict_in_generate=True, **kw)
+    with torch.no_grad():
+        full = model(out.sequences).logits
+    steps = torch.stack(out.logits, dim=1)  # (B, new, V)
+    assert full.std() > 1
+    torch.testing.assert_close(steps, full[:, x.shape[1] - 1 : -1], atol=1e-4, rtol=1e-4)

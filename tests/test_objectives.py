@@ -152,6 +152,17 @@ def test_kl_matches_naive_with_psi_floor():
     assert_same_value_and_grad(lambda x: kl_loss(x, psi, mask), lambda x: naive_kl(x, psi, mask), logits)
 
 
+def test_kl_psi_floor_applies_where_psi_is_below_it():
+    """Teacher weights far below the floor (1e-6): the loss and its gradient are those of psi
+    clamped at 1e-6, not of psi itself nor of a lower floor."""
+    logits, psi, mask = make_batch()
+    psi = torch.softmax((psi.log() * 6).masked_fill(~mask, float("-inf")), -1)  # sharper: tails ~1e-12
+    below = mask & (psi < 1e-6)
+    assert below.sum() >= 5 and (psi[below] < 1e-8).any()
+    logits = finite_logits(logits, mask)
+    assert_same_value_and_grad(lambda x: kl_loss(x, psi, mask), lambda x: naive_kl(x, psi, mask), logits)
+
+
 @pytest.mark.parametrize("delta", ["lambda", "difference"])
 @pytest.mark.parametrize("normalise", ["pairs", "delta"])
 @pytest.mark.parametrize("max_preferred", [None, 1, 2, 4, 100])

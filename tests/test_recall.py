@@ -284,7 +284,8 @@ class Constant(torch.nn.Module):
 
 def test_evaluate_recall_writes_the_summary(tmp_path, monkeypatch):
     import dimattn.evaluation
-    from dimattn.recall import evaluate_recall, load_examples
+    from dimattn.evaluation import evaluate_recall
+    from dimattn.recall import load_examples
 
     s = RecallSettings(**SMALL)
     write_recall_corpus(s, tmp_path / "r")
@@ -322,7 +323,7 @@ def test_evaluate_recall_writes_the_summary(tmp_path, monkeypatch):
 
 
 def test_evaluate_recall_refuses_a_corpus_that_breaks_the_layout(tmp_path):
-    from dimattn.recall import evaluate_recall
+    from dimattn.evaluation import evaluate_recall
 
     s = RecallSettings(**SMALL)
     write_recall_corpus(s, tmp_path / "r")

@@ -37,3 +37,29 @@ def test_recall_table(rendered):
 
 def test_recall_figure_is_a_png(rendered):
     assert is_png(rendered / "figures" / "recall.png", 30_000)
+
+
+
+def test_distance_panel_shows_the_window_sweep(tmp_path, monkeypatch):
+    """The right panel ("accuracy by query distance") has a line per kind of run, and DAR at
+    every window of its window sweep (d_down = 8 in the fixture: w = 0, 1, 4 beside the chosen
+    w = 16), each through its bins' accuracies."""
+    from matplotlib.figure import Figure
+
+    from dimattn.reporting import recall, summaries
+
+    summary = write_full_summaries(tmp_path)
+    frames = {"recall": summaries.read(summary / "recall.csv", "recall")}
+    saved, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), savefig(fig, *a, **k)))
+    recall.figure(frames, REFERENCE, tmp_path / "recall.png")
+    (fig,) = saved
+    (panel,) = [ax for ax in fig.axes if ax.get_title().endswith("accuracy by query distance")]
+    lines = {line.get_label(): list(line.get_ydata()) for line in panel.get_lines()}
+    dar = sorted(label for label in lines if label.startswith("DAR"))
+    label = "DAR (w={}, $d_{{\\mathrm{{down}}}}$=8)".format
+    assert dar == sorted(label(w) for w in (0, 1, 4, 16)), dar
+    assert {"Vanilla", "chance"} <= set(lines), sorted(lines)
+    # w = 4, d_down = 8 (accuracy 0.65): near bin 10 points above it, far bin 10 below (bin_accuracies)
+    assert [round(y, 6) for y in lines[label(4)]] == [75.0, 65.0, 65.0, 55.0]
+    assert list(panel.get_lines()[0].get_xdata()) == [30.0, 57.0, 84.0, 111.0]  # the bins' midpoints

@@ -255,6 +255,10 @@ BAD = {
                                  "dimpo.downstream.kv[0].kivi.residual"),
     "downstream snapkv budget": (lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 16}}]),
                                  "dimpo.downstream.kv[0].snapkv.budget"),
+    # At the boundary: a budget of the window's size keeps no token besides the window.
+    "downstream snapkv budget = window": (lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 32,
+                                                                                              "window": 32}}]),
+                                          "dimpo.downstream.kv[0].snapkv.budget"),
     "downstream kv both methods": (lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 64},
                                                                 "kivi": {"bits": 2}}]), "oneOf"),
 }
@@ -267,6 +271,12 @@ def test_bad_config_is_refused_naming_the_key(case):
         plan_of(mutated(mutate))
     assert culprit in str(err.value), str(err.value)[-2000:]
     assert not isinstance(err.value, (KeyError, TypeError, AttributeError)), repr(err.value)
+
+
+def test_snapkv_budget_one_past_the_window_is_planned():
+    """The other side of the boundary: budget = window + 1 keeps one token besides the window."""
+    config = mutated(lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 33, "window": 32}}]))
+    plan_of(config)  # raises on a refused config
 
 
 def test_seeds_expand_into_replicates():

@@ -3,7 +3,7 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.recall import evaluate_recall
+    from dimattn.evaluation import evaluate_recall
 
     evaluate_recall(
         model_dir=Path(snakemake.input.model),

@@ -115,7 +115,6 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
         subheads=subheads,
         rows=rows,
         n_columns=n_columns,
-        wide=n_columns > 8,
         finding=paper.finding(reference_dir, "001 Overview"),
         has_text=any(c["source"] == "text" for c in columns),
         has_recall=any(c["source"] == "recall" for c in columns),

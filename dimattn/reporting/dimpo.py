@@ -27,22 +27,10 @@ from matplotlib.lines import Line2D
 from ..sweeps import DEFAULT_SETTING, MAIN_STUDY, parse_setting
 from . import latex, paper, plots
 from .latex import DAGGER, MISSING, SpreadCells, Tex, fmt_fraction, fmt_sig
-from .paper import DIMPO_HEAD_DIM, OBJECTIVE_ORDER
+from .paper import DIMPO_HEAD_DIM, OBJECTIVE_LABELS, objective_rank
 from .plots import OBJECTIVE_COLORS
 from .replicates import aggregate, seed_counts, spread
 
-OBJECTIVE_LABELS = {
-    "random": "Random",
-    "pca": "PCA",
-    "triplet": "Triplet",
-    "cpo": "CPO",
-    "simpo": "SimPO",
-    "orpo": "ORPO",
-    "dimpo_list": "DimPO, listwise only",  # the paper's DimPO (k=0, lambda=0) row
-    "dimpo": "DimPO",
-    "dimpo_kl": "DimPO + KL",  # Table 6
-    "kl": "KL",
-}
 _K_RE = re.compile(r"\bk\s*[=_:]?\s*(\d+)", re.I)
 _LAMBDA_RE = re.compile(r"(?:lambda|lam|λ)\s*[=_:]?\s*(\d+(?:\.\d+)?)", re.I)
 
@@ -103,10 +91,6 @@ def _means(fid: pd.DataFrame, study: str = MAIN_STUDY) -> pd.DataFrame:
     return means
 
 
-def _rank(objective: str) -> int:
-    return OBJECTIVE_ORDER.index(objective) if objective in OBJECTIVE_ORDER else len(OBJECTIVE_ORDER)
-
-
 def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
     """Seed 003 Table 1: per model of ours, KL and MSE per objective and d'/d, the paper's rows beside."""
     means = _means(frames["dimpo_fidelity"])
@@ -125,7 +109,7 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
             }
             for d, r in zip(d_primes, ratios)
         ]
-        objectives = sorted(set(ours["objective"]) | set(ref["objective"]), key=lambda o: (_rank(o), o))
+        objectives = sorted(set(ours["objective"]) | set(ref["objective"]), key=lambda o: (objective_rank(o), o))
         groups, above = [], {}
         for objective in objectives:
             rows = []
@@ -153,23 +137,37 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
                 rows.append({"objective": _label(objective, setting), "source": "paper", "cells": cells})
             groups.append(rows)
         n_layers = sorted(ours["n_layers"].unique())
-        blocks.append(
-            {
-                "model": model,
-                "head_dim": int(head_dim),
-                "n_layers": ", ".join(str(n) for n in n_layers),
-                "columns": columns,
-                "groups": groups,
-            }
-        )
+        # d' columns too many for one page's width continue in tabulars below (latex.split_columns).
+        flat = [{"label": Tex(f"{row['objective']} {row['source']}"), "cells": row["cells"]} for rows in groups
+                for row in rows]  # fmt: skip
+        parts = latex.split_columns([{"title": c["ratio"], "columns": ["KL", "MSE"]} for c in columns], flat,
+                                    "Objective Source")  # fmt: skip
+        for i, part in enumerate(parts):
+            keep = [j for _, indices in part for j in indices]
+            blocks.append(
+                {
+                    "model": model,
+                    "head_dim": int(head_dim),
+                    "n_layers": ", ".join(str(n) for n in n_layers),
+                    "columns": [columns[g] for g, _ in part],
+                    "groups": [[row | {"cells": [row["cells"][j] for j in keep]} for row in rows] for rows in groups],
+                    "continued": i > 0,
+                    "last": i == len(parts) - 1,
+                }
+            )
+    # A block's lines: its rows, the header's four, the spacing between objectives and the footnote.
+    heights = [sum(len(rows) for rows in b["groups"]) + 4 + len(b["groups"]) / 2 + 2 for b in blocks]
     return latex.render(
         "dimpo_fidelity.tex.j2",
         path,
-        blocks=blocks,
+        floats=latex.page_floats(blocks, heights, " " * 900 + str(cell.note())),
+        many_models=len({b["model"] for b in blocks}) > 1,
+        continued=latex.CONTINUED,
         paper_model=paper_model,
         paper_head_dim=DIMPO_HEAD_DIM,
         paper_only=", ".join(
-            OBJECTIVE_LABELS.get(o, o) for o in sorted(set(ref["objective"]) - set(means["objective"]), key=_rank)
+            OBJECTIVE_LABELS.get(o, o)
+            for o in sorted(set(ref["objective"]) - set(means["objective"]), key=objective_rank)
         ),
         spread_note=cell.note(),
     )
@@ -186,7 +184,7 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
     paper_model = ref["model"].iloc[0] if len(ref) else "Llama-3.1-8B-Instruct"
     models = list(dict.fromkeys(zip(means["model"], means["head_dim"])))
     ratios = set(means["ratio"])
-    objectives = sorted(means["objective"].unique(), key=_rank)
+    objectives = sorted(means["objective"].unique(), key=objective_rank)
     ref = ref[ref["objective"].isin(objectives) & ref["ratio"].isin(ratios)]
     metrics = (("kl", "KL divergence of attention weights"), ("mse", "MSE of attention outputs"))
     ours_styles = ["-", "-.", (0, (5, 1, 1, 1))]
@@ -411,7 +409,7 @@ def pairs_figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pat
             for row, (metric, name) in enumerate((("kl", "KL divergence of attention weights"),
                                                   ("mse", "MSE of attention outputs"))):  # fmt: skip
                 ax = axes[row][col]
-                for objective in sorted(agg["objective"].unique(), key=_rank):
+                for objective in sorted(agg["objective"].unique(), key=objective_rank):
                     sel = agg[agg["objective"] == objective].sort_values("x")
                     line = plots.line(ax, sel["x"].astype(float), [spread(r, metric) for _, r in sel.iterrows()],
                                       color=OBJECTIVE_COLORS.get(objective, "0.3"), marker="o", lw=2,

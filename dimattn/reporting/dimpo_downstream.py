@@ -16,8 +16,8 @@ import pandas as pd
 
 from ..sweeps import BASE_OBJECTIVE, MAIN_STUDY, NO_KV, RULER_TASKS
 from . import latex, paper, plots
-from .dimpo import OBJECTIVE_LABELS, _rank
 from .latex import MISSING, SpreadCells, Tex, fmt
+from .paper import OBJECTIVE_LABELS, objective_rank
 from .plots import OBJECTIVE_COLORS
 from .replicates import Spread, aggregate, seed_counts, spread
 
@@ -142,7 +142,7 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
                            "columns": [Tex(rf"$l{{=}}{int(l)}$ ({100 * l / n_layers:.0f}\%)") for l in shares]})
             selections.append(sel[sel["objective"] != BASE_OBJECTIVE])
     keys = sorted({k for sel in selections for k in zip(sel["objective"], sel["d_prime"], sel["kv"])},
-                  key=lambda k: (_rank(k[0]), k[1], k[2] != NO_KV, k[2]))  # fmt: skip
+                  key=lambda k: (objective_rank(k[0]), k[1], k[2] != NO_KV, k[2]))  # fmt: skip
     body = []
     for objective, d_prime, kv in keys:
         cells = []
@@ -265,7 +265,8 @@ def subtask_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pa
             objective = _PAPER_METHODS.get((r["method"], r["k"], r["lambda"]), r["method"])
             table |= {(objective, c): Spread.of([float(r[c])]) for c in paper_columns if r[c] != ""}
         lookups.append((table, paper_columns))
-    objectives = sorted({o for table, _ in lookups for o, _ in table}, key=lambda o: (o != BASE_OBJECTIVE, _rank(o)))
+    objectives = sorted({o for table, _ in lookups for o, _ in table},
+                        key=lambda o: (o != BASE_OBJECTIVE, objective_rank(o)))  # fmt: skip
     body = [{"label": _objective_label(o), "space": False,
              "cells": [cell(table[(o, c)], lambda v: fmt(v, 1)) if (o, c) in table else MISSING
                        for table, columns in lookups for c in columns]}

@@ -70,7 +70,6 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
         tasks=tasks,
         metrics=[metric_label(m) for _, m in columns],
         rows=rows,
-        wide=len(columns) > 5,
         d_models=", ".join(str(d) for d in sorted(lm["hidden_size"].unique())),
         spread_note=cell.note(),
     )

@@ -16,17 +16,9 @@ from pathlib import Path
 
 import pandas as pd
 
-FILES = {
-    "dar": "dar_relative_perplexity.csv",
-    "dar_downstream": "dar_downstream_relative.csv",
-    "dar_tasks": "dar_task_context_lengths.csv",
-    "qualitative": "qualitative_findings.csv",
-    "dimpo": "dimpo_fidelity_llama31_8b.csv",
-    "dimpo_ablation": "dimpo_ablation.csv",
-    "dimpo_ruler_by_layers": "dimpo_ruler_by_layers.csv",
-    "dimpo_ruler_subtasks": "dimpo_ruler_subtasks.csv",
-    "dimpo_compression": "dimpo_compression_combo.csv",
-}
+from ..reference import FILES, OPTIONAL, missing  # noqa: F401 (missing: re-exported for the readers)
+from ..sweeps import BASE_OBJECTIVE
+
 # The columns each file must have (its readers use them); a file may have more.
 COLUMNS = {
     "dar": ("source", "model", "variant", "d_model", "d_down", "window", "rel_ppl_pct"),
@@ -41,25 +33,38 @@ COLUMNS = {
                              "NIAH", "SQuAD", "HotpotQA", "VT", "CWE", "FWE", "RULER_avg"),
     "dimpo_compression": ("source", "model", "d_prime", "compression", "layers_projected", "ruler_4k", "ruler_8k"),
 }
-# Files whose readers do without them (dar_task_metrics, finding).
-OPTIONAL = ("dar_tasks", "qualitative")
 # Seed 003, Section 4: every model it projects has head dimension d = 128.
 DIMPO_HEAD_DIM = 128
 # Seed 003 Table 1 row order; objectives we do not run still appear as paper-only rows.
 OBJECTIVE_ORDER = ["random", "pca", "triplet", "cpo", "simpo", "orpo", "dimpo_list", "dimpo", "dimpo_kl", "kl"]
+# Each objective as the tables and figures name it.
+OBJECTIVE_LABELS = {
+    "random": "Random",
+    "pca": "PCA",
+    "triplet": "Triplet",
+    "cpo": "CPO",
+    "simpo": "SimPO",
+    "orpo": "ORPO",
+    "dimpo_list": "DimPO, listwise only",  # the paper's DimPO (k=0, lambda=0) row
+    "dimpo": "DimPO",
+    "dimpo_kl": "DimPO + KL",  # Table 6
+    "kl": "KL",
+}
+
 # The paper's wording of a metric -> lm-eval's "metric,filter".
 METRIC_NAMES = {"flexible-extract exact match": "exact_match,flexible-extract"}
 
 
+def objective_rank(objective: str) -> int:
+    """Where an objective sorts, in every summary, table and figure: the base model (l = 0,
+    dimattn.sweeps.BASE_OBJECTIVE) first, then :data:`OBJECTIVE_ORDER`, then any other."""
+    if objective == BASE_OBJECTIVE:
+        return -1
+    return OBJECTIVE_ORDER.index(objective) if objective in OBJECTIVE_ORDER else len(OBJECTIVE_ORDER)
+
+
 class PaperFileError(ValueError):
     """A damaged file of the papers' numbers; the message names it and what is wrong."""
-
-
-def missing(reference_dir: Path) -> list[Path]:
-    """The files of the papers' numbers that reference_dir lacks, the optional ones aside:
-    what a run can check before any job starts."""
-    paths = [Path(reference_dir) / name for key, name in FILES.items() if key not in OPTIONAL]
-    return [path for path in paths if not path.is_file()]
 
 
 def read(reference_dir: Path, key: str) -> pd.DataFrame:

@@ -151,6 +151,23 @@ def _selected_for_distance(overall: pd.DataFrame) -> list[tuple[tuple, dict]]:
     return keep
 
 
+# Line styles of the window sweep's DAR runs in the distance panel (the chosen DAR run is solid).
+WINDOW_STYLES = ["--", "-.", (0, (5, 1, 1, 1)), (0, (1, 1))]
+
+
+def _other_windows(overall: pd.DataFrame) -> list[dict]:
+    """The plain DAR runs of the scale's window sweep (seed 000 Table 3's d_down) at the windows
+    the chosen DAR run (``_selected_for_distance``) is not at, by window."""
+    runs = selection.records(overall)
+    d_down = selection.window_sweep(runs)
+    if d_down is None:
+        return []
+    shown = {run["run"] for _, run in _selected_for_distance(overall)}
+    sweep = [r for r in selection.plain(runs) if r["attention"] == "dar" and r["d_down"] is not None
+             and int(r["d_down"]) == d_down and r["run"] not in shown]  # fmt: skip
+    return sorted(sweep, key=lambda r: int(r["window"]))
+
+
 def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> Path:
     """Per recall scale: accuracy vs. d_down/d (DAR vs. Uniform) and accuracy vs. query distance."""
     blocks = _blocks(frames["recall"])
@@ -221,7 +238,8 @@ def _accuracy_by_width(ax, block: dict, head: str) -> None:
 
 
 def _accuracy_by_distance(ax, block: dict, head: str) -> None:
-    """Right panel: accuracy per distance bin of one run of each kind (``_selected_for_distance``)."""
+    """Right panel: accuracy per distance bin of one run of each kind (``_selected_for_distance``),
+    and of DAR at the other windows of its window sweep (``_other_windows``)."""
     bins = block["bins"]
     mids = [(int(b.min_distance) + int(b.max_distance)) / 2 for b in bins.itertuples()]
     for kind, run in _selected_for_distance(block["overall"]):
@@ -239,6 +257,12 @@ def _accuracy_by_distance(ax, block: dict, head: str) -> None:
             ls="--" if kind[2] else "-",
             label=f"{selection.kind_label(kind)} ({setting(run, tex=False)})" if attention != "vanilla" else "Vanilla",
         )
+    # The window sweep asks this panel's question too: how far a full-dimensional key must reach.
+    for i, run in enumerate(_other_windows(block["overall"])):
+        ys = [block["by_bin"].get((run["run"], int(b.bin))) or Spread(()) for b in bins.itertuples()]
+        plots.line(ax, mids, ys, 100, color=VARIANT_COLORS["dar"], marker=VARIANT_MARKERS.get("dar", "o"), lw=1.6,
+                   ms=5, ls=WINDOW_STYLES[i % len(WINDOW_STYLES)], alpha=0.75,
+                   label=f"DAR ({setting(run, tex=False)})")  # fmt: skip
     if block["chance"] is not None:
         ax.axhline(100 * block["chance"], color=CHANCE_COLOR, ls=":", lw=1.6, label="chance")
     ax.xaxis.set_major_locator(FixedLocator(mids))

@@ -30,15 +30,13 @@ import pandas as pd
 
 from .. import variants
 from ..atomic import atomic_file
+from ..formats import FIDELITY_COLUMNS
 from ..runs import run_metadata
 from ..sweeps import MAIN_STUDY, RULER_TASKS
-from .paper import OBJECTIVE_ORDER
+from .paper import objective_rank
 from .replicates import relative
 
 RUN_FIELDS = variants.RUN_FIELDS
-# One row per (fit, layer) of a fit's CSV (dimattn.projections.fidelity_to_file); seed is the fit's.
-FIDELITY_COLUMNS = ["model", "objective", "setting", "d_prime", "head_dim", "seed", "layer", "kl", "mse",
-                    "kl_inference", "mse_inference"]
 # A projected model of dimpo.downstream (dimattn.sweeps.Projected); share = l / n_layers.
 # kv: the compression's name in dimpo.downstream.kv; kv_method and kv_level what it is (kivi and
 # its bits, snapkv and its budget; none and 0), so that Table 5 can be drawn from the CSV alone.
@@ -392,10 +390,9 @@ def summarize_fidelity(csvs: Iterable[os.PathLike | str], out_csv: os.PathLike |
     if not frames:
         raise ValueError("summarize_fidelity got no CSV files")
     df = _as_int(pd.concat(frames, ignore_index=True))
-    order = {o: i for i, o in enumerate(OBJECTIVE_ORDER)}
     df = df.sort_values(
         ["study", "model", "setting_order", "objective", "d_prime", "seed", "layer"],
-        key=lambda s: s.map(lambda o: order.get(o, len(order))) if s.name == "objective" else s,
+        key=lambda s: s.map(objective_rank) if s.name == "objective" else s,
         kind="stable",
     )
     df = df[COLUMNS["dimpo_fidelity"]].reset_index(drop=True)
@@ -436,10 +433,9 @@ def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLik
             rows += [{"study": study} | fields | score for score in scores]
     if not rows:
         raise ValueError("summarize_downstream found no scores in its inputs")
-    order = {o: i for i, o in enumerate(["base", *OBJECTIVE_ORDER])}
     df = _as_int(pd.DataFrame(rows)).sort_values(
         ["study", "model", "objective", "setting", "d_prime", "num_projected", "kv", "seed", "task", "metric"],
-        key=lambda s: s.map(lambda o: order.get(o, len(order))) if s.name == "objective" else s, kind="stable",
+        key=lambda s: s.map(objective_rank) if s.name == "objective" else s, kind="stable",
     )
     df = df[COLUMNS["dimpo_downstream"]].reset_index(drop=True)
     _write_csv(df, out_csv)

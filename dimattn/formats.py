@@ -1,0 +1,9 @@
+"""Columns of the files one stage writes and another reads, where the writer imports torch and
+the reader must not (the reporting stage runs without it): the per-layer attention fidelity CSV
+that dimattn.projections.fidelity_to_file writes and dimattn.reporting.summaries gathers.
+Imports nothing.
+"""
+
+# One row per (fit, layer) of a fit's CSV; seed is the fit's.
+FIDELITY_COLUMNS = ["model", "objective", "setting", "d_prime", "head_dim", "seed", "layer", "kl", "mse",
+                    "kl_inference", "mse_inference"]
