@@ -57,6 +57,7 @@ from dimattn.training import TrainConfig, _autocast, configure_optimizer, keep_f
 
 SECTIONS = ("kernels", "train", "fit", "capture")
 TOLERANCE = {"rel_norm": 2e-2, "max_rel": 5e-2}  # of every checked tensor, bf16 against float64
+KERNEL = "flex"  # the kernel checked; the test swaps in "blocked" to run the gradient checks on CPU
 
 # (B, H, T, D, window) of the kernel checks; dilation 4 (DimAttnConfig's default).
 KERNEL_SHAPES = {"full": [(2, 8, 1000, 64, 128), (1, 8, 2048, 64, 256)],
@@ -139,7 +140,7 @@ def _outputs(fn, ts, window, kernel, grad_out, backward):
 
 
 def check_kernels(device, small):
-    backward = device.type == "cuda"
+    backward = device.type == "cuda" or KERNEL != "flex"
     if not backward:
         skipped("kernels", "FlexAttention backward (gradients)",
                 f"FlexAttention compiles its backward on CUDA only; on {device.type} it runs unfused, forward-only")
@@ -149,7 +150,7 @@ def check_kernels(device, small):
             ts = [torch.randn(B, H, T, D, generator=g).to(torch.bfloat16) for _ in range(n_inputs)]
             grad_out = torch.randn(B, H, T, D, generator=g).to(torch.bfloat16)
             start = time.perf_counter()
-            flex, flex_grads = _outputs(fn, [t.to(device) for t in ts], w, "flex", grad_out.to(device), backward)
+            flex, flex_grads = _outputs(fn, [t.to(device) for t in ts], w, KERNEL, grad_out.to(device), backward)
             _sync(device)
             flex_s = time.perf_counter() - start  # includes the compilation of this shape
             ref, ref_grads = _outputs(fn, [t.double() for t in ts], w, "dense", grad_out.double(), backward)
@@ -158,11 +159,11 @@ def check_kernels(device, small):
             flex_err = {n: errors(x, r) for n, x, r in zip(names, [flex, *flex_grads], [ref, *ref_grads])}
             cpu_err = {n: errors(x, r) for n, x, r in zip(names, [cpu, *cpu_grads], [ref, *ref_grads])}
             passed = all(within(e) for e in flex_err.values())
-            name = f"flex_{pattern}_T{T}"
+            name = f"{KERNEL}_{pattern}_T{T}"
             if not passed:
                 failures.append(name)
             emit({"name": "kernel_check", "section": "kernels", "check": name, "pattern": pattern,
-                  "passed": passed, "kernel": "flex", "dtype": "bfloat16", "device": device.type,
+                  "passed": passed, "kernel": KERNEL, "dtype": "bfloat16", "device": device.type,
                   "reference": "dense, float64, cpu", "gradients": backward, "errors": flex_err,
                   "cpu_blocked_bf16_errors": cpu_err, "tolerance": TOLERANCE, "flex_first_call_s": round(flex_s, 3),
                   "shape": dict(B=B, H=H, T=T, D=D, window=w, **({"dilation": DILATION} if pattern == "dilated" else {}))})

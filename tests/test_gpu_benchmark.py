@@ -87,3 +87,25 @@ def test_a_failing_check_fails_the_run(monkeypatch, capsys):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     summary = by_name(lines, "summary")[0]
     assert not summary["passed"] and summary["failed"] == ["flex_dar_T9", "flex_swa_T9", "flex_dilated_T9"]
+
+
+def test_the_gradient_checks_run_where_the_kernel_has_a_backward(monkeypatch, capsys):
+    """FlexAttention has no backward on CPU, so the CUDA run's gradient checks are exercised here
+    with the blocked kernel in its place: every input's gradient is compared and passes."""
+    sys.path.insert(0, str(ROOT))
+    import benchmarks.gpu as gpu
+
+    monkeypatch.setattr(gpu, "KERNEL", "blocked")
+    monkeypatch.setattr(gpu, "failures", [])
+    monkeypatch.setattr(gpu, "keep_freed_memory", lambda: None)
+    with pytest.raises(SystemExit) as exit_info:
+        gpu.main(["--device", "cpu", "--small", "--only", "kernels"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert exit_info.value.code == 0, by_name(lines, "summary")
+    assert not by_name(lines, "skipped")
+    checks = by_name(lines, "kernel_check")
+    assert len(checks) == 6
+    for check in checks:
+        expected = {"out", "grad_q", "grad_k", "grad_v"} | ({"grad_k_far", "grad_v_far"} if check["pattern"] == "dar" else set())
+        assert check["gradients"] and set(check["errors"]) == expected and check["passed"]
+        assert all(0 < err["rel_norm"] <= gpu.TOLERANCE["rel_norm"] for err in check["errors"].values())
