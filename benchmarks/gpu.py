@@ -6,7 +6,7 @@
 
 Sections, in order (each line names its section; ``elapsed_s`` is the section's wall time):
 
-- ``matmul_peak``: a square bf16 matmul on random data (n = 8192 on CUDA), FLOP/s: the peak the
+- ``matmul_peak``: a square bf16 matmul on random data (n = 8192 on CUDA, 1024 on CPU), FLOP/s: the peak the
   MFU lines divide by, beside benchmarks/attention.py's constant for the H200 (790 TFLOP/s).
 - ``kernels``: the DAR, sliding-window and dilated FlexAttention kernels (``kernel="flex"``, what
   "auto" picks on CUDA) in bf16 against the CPU reference kernel ("dense") in float64 on the same
@@ -16,7 +16,8 @@ Sections, in order (each line names its section; ``elapsed_s`` is the section's 
   A check passes when every tensor is finite with rel_norm <= 2e-2 and max_rel <= 5e-2 (bf16
   operands land between 1e-3 and 1e-2 by norm: device METHOD notes). T is not a multiple of
   FlexAttention's 128-block at one shape. Off CUDA FlexAttention runs unfused and forward-only,
-  so gradients are skipped there (a ``skipped`` line says so).
+  so gradients are skipped there (a ``skipped`` line says so; the test runs the gradient checks
+  on CPU with the blocked kernel as ``KERNEL``).
 - ``train``: one optimizer step of dimattn.training's loop (bf16 autocast, forward with the loss,
   backward, clipping, configure_optimizer's fused AdamW) on Pythia-70M's shapes (6 layers, d=512,
   8 heads, rotary_pct 0.25, vocab 50,304, seq 2048; vanilla and DAR w=128, d_down=128), through
@@ -91,7 +92,7 @@ def skipped(section, what, reason):
 
 def matmul_peak(device, small, repeats=10):
     """bf16 FLOP/s of an n x n matmul on random data (never zeros: they run faster on an H200)."""
-    n = 256 if small else 8192
+    n = 256 if small else 8192 if device.type == "cuda" else 1024  # 8192 on a CPU: minutes
     g = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(n, n, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
     out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
