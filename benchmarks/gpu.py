@@ -299,6 +299,7 @@ def capture_layer(device, small):
                    if torch.is_tensor(t))
     record = {"name": "capture", "section": "capture", "captured_bytes": captured, "model_bytes": model_bytes,
               "host_rss_before_bytes": rss_before, "host_peak_rss_bytes": host_peak,
+              "host_peak_increase_bytes": host_peak - rss_before,
               "host_peak_over_captured": round((host_peak - rss_before) / captured, 3),
               "host_peak_of": "the capture (VmHWM reset before it)" if resettable else "the whole process (ru_maxrss)",
               "seconds": round(seconds, 3), "dtype": "float32", "batch_size": 1,

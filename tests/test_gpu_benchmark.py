@@ -51,6 +51,7 @@ def test_every_section_prints_its_line(small_run):
     n, t, heads, kv_heads, d = capture["sequences"], capture["seq_len"], 4, 2, 16
     assert capture["captured_bytes"] == 2 * 4 * n * t * d * (heads + 2 * kv_heads)
     assert capture["host_peak_rss_bytes"] >= capture["host_rss_before_bytes"] > 0
+    assert capture["host_peak_increase_bytes"] == capture["host_peak_rss_bytes"] - capture["host_rss_before_bytes"]
     assert "gpu_peak_bytes" not in capture  # CUDA only
     assert [line["section"] for line in by_name(lines, "section_done")] == ["kernels", "train", "fit", "capture"]
     assert by_name(lines, "summary") == [{**by_name(lines, "summary")[0], "passed": True, "failed": []}]
