@@ -1,0 +1,366 @@
+"""GPU readiness in one run (issue 16, item 5), one JSON object per line.
+
+    python benchmarks/gpu.py                        # one CUDA GPU, full shapes, well under 10 minutes
+    python benchmarks/gpu.py --device cpu --small   # every section at tiny shapes on CPU (the test's run)
+    python benchmarks/gpu.py --only kernels,fit     # a subset of kernels, train, fit, capture
+
+Sections, in order (each line names its section; ``elapsed_s`` is the section's wall time):
+
+- ``matmul_peak``: a square bf16 matmul on random data (n = 8192 on CUDA, 1024 on CPU), FLOP/s: the peak the
+  MFU lines divide by, beside benchmarks/attention.py's constant for the H200 (790 TFLOP/s).
+- ``kernels``: the DAR, sliding-window and dilated FlexAttention kernels (``kernel="flex"``, what
+  "auto" picks on CUDA) in bf16 against the CPU reference kernel ("dense") in float64 on the same
+  bf16 inputs, plus the CPU training kernel ("blocked") in bf16 as a baseline: outputs and the
+  gradients of q, k, v (and the far keys/values of DAR) under one random upstream gradient. Per
+  tensor: max_abs = max |x - ref|, max_rel = max_abs / max |ref|, rel_norm = ||x - ref|| / ||ref||.
+  A check passes when every tensor is finite with rel_norm <= 2e-2 and max_rel <= 5e-2 (bf16
+  operands land between 1e-3 and 1e-2 by norm: device METHOD notes). T is not a multiple of
+  FlexAttention's 128-block at one shape. Off CUDA FlexAttention runs unfused and forward-only,
+  so gradients are skipped there (a ``skipped`` line says so; the test runs the gradient checks
+  on CPU with the blocked kernel as ``KERNEL``).
+- ``train``: one optimizer step of dimattn.training's loop (bf16 autocast, forward with the loss,
+  backward, clipping, configure_optimizer's fused AdamW) on Pythia-70M's shapes (6 layers, d=512,
+  8 heads, rotary_pct 0.25, vocab 50,304, seq 2048; vanilla and DAR w=128, d_down=128), through
+  torch.compile as training.compile does on CUDA (skipped off CUDA): tokens/s and MFU, FLOPs
+  counted as benchmarks/training.py counts them (step_flops).
+- ``fit``: dimattn.projections.fit_layer (what fit_to_file, the fit_projection rule's code, calls
+  per layer) with objective dimpo at d' = 64 on a synthetic capture of Llama-3.1-8B's layer shape
+  (32 query heads, 8 KV heads, head_dim 128, 4,096 keys a list, the authors' settings: batch 1):
+  instances/s from the time of S more steps (a run of s0 + S steps minus one of s0).
+- ``capture``: dimattn.capture.capture_qkv on a random two-layer LlamaConfig model with
+  Llama-3.1-8B's layer (hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128,256) at seq 4096,
+  in float32 (capture_dtype's default): the allocator's peak GPU memory
+  (torch.cuda.max_memory_allocated) and the host's peak RSS over the capture, against the bytes
+  of the captured tensors.
+- ``summary``: every failed check by name; the exit status is 1 when any failed.
+"""
+
+import argparse
+import ctypes
+import json
+import platform
+import resource
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.attention import H200_BF16_FLOPS, emit, interleaved  # noqa: E402
+from benchmarks.training import step_flops  # noqa: E402
+from dimattn import DimAttnConfig, DimAttnForCausalLM  # noqa: E402
+from dimattn.attention import dar_attention, dilated_attention, sliding_window_attention  # noqa: E402
+from dimattn.training import TrainConfig, _autocast, configure_optimizer, keep_freed_memory  # noqa: E402
+
+SECTIONS = ("kernels", "train", "fit", "capture")
+TOLERANCE = {"rel_norm": 2e-2, "max_rel": 5e-2}  # of every checked tensor, bf16 against float64
+KERNEL = "flex"  # the kernel checked; the test swaps in "blocked" to run the gradient checks on CPU
+
+# (B, H, T, D, window) of the kernel checks; dilation 4 (DimAttnConfig's default).
+KERNEL_SHAPES = {"full": [(2, 8, 1000, 64, 128), (1, 8, 2048, 64, 256)],
+                 "small": [(1, 2, 150, 16, 20), (2, 2, 64, 16, 16)]}
+DILATION = 4
+PYTHIA_70M = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, rotary_pct=0.25)
+SHAPES = {
+    # Pythia-70M: (architecture, vocab, seq, batch); DAR w=128, d_down=d/4 as benchmarks/attention.py's gpu suite
+    "train": {"full": (PYTHIA_70M, 50304, 2048, 16),
+              "small": (dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, rotary_pct=0.25), 256, 32, 2)},
+    # Llama-3.1-8B's layer: (sequences, heads, kv_heads, keys, head_dim, d', s0, S)
+    "fit": {"full": (2, 32, 8, 4096, 128, 64, 20, 500), "small": (1, 4, 2, 128, 16, 4, 2, 6)},
+    # (hidden, heads, kv_heads, mlp, vocab, layers, seq, sequences)
+    "capture": {"full": (4096, 32, 8, 14336, 128256, 2, 4096, 2), "small": (64, 4, 2, 128, 256, 2, 32, 2)},
+}
+
+failures: list[str] = []
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def skipped(section, what, reason):
+    emit({"name": "skipped", "section": section, "what": what, "reason": reason})
+
+
+# --- matmul peak -------------------------------------------------------------------------------
+
+
+def matmul_peak(device, small, repeats=10):
+    """bf16 FLOP/s of an n x n matmul on random data (never zeros: they run faster on an H200)."""
+    n = 256 if small else 8192 if device.type == "cuda" else 1024  # 8192 on a CPU: minutes
+    g = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(n, n, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    loops = 4 if small else 20
+    seconds = interleaved({"mm": lambda: [torch.mm(a, b, out=out) for _ in range(loops)]}, repeats, device)["mm"]
+    flops = 2 * n**3 * loops / seconds
+    emit({"name": "matmul_peak", "dtype": "bfloat16", "n": n, "tflops": round(flops / 1e12, 3),
+          "h200_constant_tflops": H200_BF16_FLOPS / 1e12, "device": _device_name(device)})
+    return flops
+
+
+def _device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+# --- FlexAttention against the CPU kernels -----------------------------------------------------
+
+PATTERNS = {
+    "dar": (5, lambda ts, w, kernel: dar_attention(*ts, w, kernel=kernel)),
+    "swa": (3, lambda ts, w, kernel: sliding_window_attention(*ts, w, kernel=kernel)),
+    "dilated": (3, lambda ts, w, kernel: dilated_attention(*ts, w, DILATION, kernel=kernel)),
+}
+
+
+def errors(x, ref):
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    diff = (x - ref).abs()
+    finite = bool(torch.isfinite(x).all())
+    max_ref = float(ref.abs().max())
+    return {"max_abs": float(diff.max()), "max_rel": float(diff.max()) / max_ref if max_ref else float("inf"),
+            "rel_norm": float(torch.linalg.vector_norm(x - ref) / torch.linalg.vector_norm(ref)), "finite": finite}
+
+
+def within(err):
+    return err["finite"] and all(err[key] <= tol for key, tol in TOLERANCE.items())
+
+
+def _outputs(fn, ts, window, kernel, grad_out, backward):
+    """(out, grads of the inputs) of fn on leaf copies of ts."""
+    leaves = [t.detach().clone().requires_grad_(backward) for t in ts]
+    out = fn(leaves, window, kernel)
+    if not backward:
+        return out.detach(), []
+    grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+    return out.detach(), list(grads)
+
+
+def check_kernels(device, small):
+    backward = device.type == "cuda" or KERNEL != "flex"
+    if not backward:
+        skipped("kernels", "FlexAttention backward (gradients)",
+                f"FlexAttention compiles its backward on CUDA only; on {device.type} it runs unfused, forward-only")
+    for pattern, (n_inputs, fn) in PATTERNS.items():
+        for B, H, T, D, w in KERNEL_SHAPES["small" if small else "full"]:
+            g = torch.Generator().manual_seed(zlib.crc32(f"{pattern}{T}".encode()))  # fresh inputs per check
+            ts = [torch.randn(B, H, T, D, generator=g).to(torch.bfloat16) for _ in range(n_inputs)]
+            grad_out = torch.randn(B, H, T, D, generator=g).to(torch.bfloat16)
+            start = time.perf_counter()
+            flex, flex_grads = _outputs(fn, [t.to(device) for t in ts], w, KERNEL, grad_out.to(device), backward)
+            _sync(device)
+            flex_s = time.perf_counter() - start  # includes the compilation of this shape
+            ref, ref_grads = _outputs(fn, [t.double() for t in ts], w, "dense", grad_out.double(), backward)
+            cpu, cpu_grads = _outputs(fn, ts, w, "blocked", grad_out, backward)
+            names = ["out"] + [f"grad_{n}" for n in ("q", "k", "v", "k_far", "v_far")[:n_inputs]][: len(ref_grads)]
+            flex_err = {n: errors(x, r) for n, x, r in zip(names, [flex, *flex_grads], [ref, *ref_grads])}
+            cpu_err = {n: errors(x, r) for n, x, r in zip(names, [cpu, *cpu_grads], [ref, *ref_grads])}
+            passed = all(within(e) for e in flex_err.values())
+            name = f"{KERNEL}_{pattern}_T{T}"
+            if not passed:
+                failures.append(name)
+            emit({"name": "kernel_check", "section": "kernels", "check": name, "pattern": pattern,
+                  "passed": passed, "kernel": KERNEL, "dtype": "bfloat16", "device": device.type,
+                  "reference": "dense, float64, cpu", "gradients": backward, "errors": flex_err,
+                  "cpu_blocked_bf16_errors": cpu_err, "tolerance": TOLERANCE, "flex_first_call_s": round(flex_s, 3),
+                  "shape": dict(B=B, H=H, T=T, D=D, window=w, **({"dilation": DILATION} if pattern == "dilated" else {}))})
+
+
+# --- Pythia-70M training step ------------------------------------------------------------------
+
+
+def train_step(device, small, peak, repeats):
+    arch, vocab, T, B = SHAPES["train"]["small" if small else "full"]
+    cuda = device.type == "cuda"
+    if not cuda:
+        skipped("train", "torch.compile",
+                f"dimattn.training compiles on CUDA only (training.compile is ignored on {device.type})")
+    cfg = TrainConfig(seq_len=T, batch_size=B, lr=1e-3, precision="bf16", compile=cuda)  # lr: Pythia-70M's
+    x = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(0)).to(device)
+    cases, flops, params = {}, {}, {}
+    d = arch["hidden_size"]
+    for variant, extra in {"vanilla": dict(attention="vanilla"),
+                           "dar": dict(attention="dar", window=min(128, T // 2), d_down=d // 4)}.items():
+        torch.manual_seed(0)
+        model = DimAttnForCausalLM(DimAttnConfig(vocab_size=vocab, max_position_embeddings=T, **arch, **extra)).to(device)
+        model.train()
+        optimizer = configure_optimizer(model, cfg)
+        forward = torch.compile(model) if cfg.compile else model  # as dimattn.training._train
+
+        def step(model=model, forward=forward, optimizer=optimizer):
+            with _autocast(device.type, cfg.precision):
+                loss = forward(x, labels=x, return_logits=False).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        start = time.perf_counter()
+        for _ in range(2 if cfg.compile else 1):  # compilation, then the first step with optimizer state
+            step()
+        _sync(device)
+        emit({"name": "train_warmup", "section": "train", "variant": variant, "compiled": cfg.compile,
+              "seconds": round(time.perf_counter() - start, 3)})
+        cases[variant], flops[variant] = step, step_flops(model, B, T)
+        params[variant] = sum(p.numel() for p in model.parameters())
+    t = interleaved(cases, repeats, device)
+    for variant, seconds in t.items():
+        achieved = flops[variant] / seconds
+        emit({"name": "train_step", "section": "train", "variant": variant, "tokens_per_s": round(B * T / seconds, 1),
+              "step_s": round(seconds, 5), "flop_per_step": flops[variant],
+              "model_tflops": achieved / 1e12, "mfu": achieved / peak, "mfu_of": "matmul_peak",
+              "mfu_vs_h200_constant": achieved / H200_BF16_FLOPS, "precision": "bf16 autocast",
+              "compiled": cfg.compile, "params": params[variant], "batch": [B, T], "repeats": repeats,
+              "model": {**arch, "vocab": vocab}, "device": _device_name(device)})
+    emit({"name": "train_dar_over_vanilla", "section": "train", "ratio": round(t["dar"] / t["vanilla"], 4)})
+
+
+# --- DimPO fit step ----------------------------------------------------------------------------
+
+
+def fit_step(device, small):
+    from dimattn.projections import fit_layer, resolve_settings
+
+    n, heads, kv_heads, keys, head_dim, d_prime, s0, extra = SHAPES["fit"]["small" if small else "full"]
+    g = torch.Generator().manual_seed(0)
+    capture = {"q": torch.randn(n, heads, keys, head_dim, generator=g),
+               "k": torch.randn(n, kv_heads, keys, head_dim, generator=g),
+               "v": torch.randn(n, kv_heads, keys, head_dim, generator=g)}
+    capture = {name: t.to(device) for name, t in capture.items()}
+    settings = resolve_settings("dimpo", {})
+
+    def run(steps):
+        _sync(device)
+        start = time.perf_counter()
+        fit_layer(capture, "dimpo", d_prime, {"steps": steps}, progress=False, device=device)
+        _sync(device)
+        return time.perf_counter() - start
+
+    run(s0)  # warm-up: kernels, allocator
+    base, longer = run(s0), run(s0 + extra)
+    seconds = max(longer - base, 1e-9)
+    emit({"name": "fit_step", "section": "fit", "objective": "dimpo", "d_prime": d_prime,
+          "instances_per_s": round(extra * settings.batch_size / seconds, 2), "step_s": round(seconds / extra, 6),
+          "steps_timed": extra, "batch_size": settings.batch_size, "keys_per_instance": keys,
+          "setup_s": round(base - s0 * seconds / extra, 4),
+          "capture_shape": {"sequences": n, "heads": heads, "kv_heads": kv_heads, "keys": keys, "head_dim": head_dim},
+          "device": _device_name(device)})
+
+
+# --- capture of one Llama-3.1-8B layer ---------------------------------------------------------
+
+
+def _status(key):  # bytes, from /proc/self/status (VmRSS: now; VmHWM: the peak since the reset)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def _reset_host_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0), after handing freed heap back."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def capture_layer(device, small):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dimattn.capture import capture_qkv
+
+    hidden, heads, kv_heads, mlp, vocab, layers, T, n = SHAPES["capture"]["small" if small else "full"]
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=T,
+                         rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: no 6 GB host copy first
+        model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, vocab, (n, T), generator=torch.Generator().manual_seed(0))
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    resettable = _reset_host_peak()
+    rss_before = _status("VmRSS")
+    start = time.perf_counter()
+    capture = capture_qkv(model, ids, batch_size=1)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    host_peak = _status("VmHWM") if resettable else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    captured = sum(t.numel() * t.element_size() for parts in capture.values() for t in parts.values()
+                   if torch.is_tensor(t))
+    record = {"name": "capture", "section": "capture", "captured_bytes": captured, "model_bytes": model_bytes,
+              "host_rss_before_bytes": rss_before, "host_peak_rss_bytes": host_peak,
+              "host_peak_increase_bytes": host_peak - rss_before,
+              "host_peak_over_captured": round((host_peak - rss_before) / captured, 3),
+              "host_peak_of": "the capture (VmHWM reset before it)" if resettable else "the whole process (ru_maxrss)",
+              "seconds": round(seconds, 3), "dtype": "float32", "batch_size": 1,
+              "layer": {"hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": hidden // heads,
+                        "mlp": mlp, "vocab": vocab, "layers": layers}, "sequences": n, "seq_len": T,
+              "device": _device_name(device)}
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device)
+        record |= {"gpu_peak_bytes": peak, "gpu_peak_over_model": round(peak / model_bytes, 3),
+                   "gpu_peak_over_captured": round(peak / captured, 3)}
+    else:
+        skipped("capture", "peak GPU memory", "torch.cuda.max_memory_allocated needs CUDA")
+    emit(record)
+
+
+# --- main --------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (the CPU test's run)")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--repeats", type=int, default=None, help="timed training steps (default 10, 2 with --small)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args(argv)
+    only = args.only.split(",")
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--only: unknown section(s) {unknown}; choose from {','.join(SECTIONS)}")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here; --device cpu --small runs every section on CPU")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if device.type == "cpu":
+        keep_freed_memory()  # as dimattn.training does on CPU
+    total = time.perf_counter()
+    emit({"name": "env", "device": _device_name(device), "torch": torch.__version__, "small": args.small,
+          "cuda": torch.version.cuda, "threads": torch.get_num_threads(), "sections": only})
+    peak = matmul_peak(device, args.small)
+    steps = {"kernels": lambda: check_kernels(device, args.small),
+             "train": lambda: train_step(device, args.small, peak, args.repeats or (2 if args.small else 10)),
+             "fit": lambda: fit_step(device, args.small),
+             "capture": lambda: capture_layer(device, args.small)}
+    for section in SECTIONS:
+        if section not in only:
+            continue
+        start = time.perf_counter()
+        try:
+            steps[section]()
+        except Exception as error:  # one failing section must not hide the others' figures
+            failures.append(section)
+            emit({"name": "error", "section": section, "error": f"{type(error).__name__}: {error}"})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        emit({"name": "section_done", "section": section, "elapsed_s": round(time.perf_counter() - start, 2)})
+    emit({"name": "summary", "passed": not failures, "failed": failures,
+          "elapsed_s": round(time.perf_counter() - total, 2)})
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""benchmarks/gpu.py, the GPU readiness script, at its CPU shapes (--device cpu --small): every
+section prints its line with its fields, the FlexAttention checks pass, the CUDA-only parts say
+they were skipped, and a failing check makes the exit status non-zero."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu.py"
+
+
+def run(*args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--small", "--threads", "1", *args],
+                            capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return result, lines
+
+
+@pytest.fixture(scope="module")
+def small_run():
+    return run()
+
+
+def by_name(lines, name):
+    return [line for line in lines if line["name"] == name]
+
+
+def test_every_section_prints_its_line(small_run):
+    result, lines = small_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not by_name(lines, "error")
+    (peak,) = by_name(lines, "matmul_peak")
+    assert peak["tflops"] > 0 and peak["h200_constant_tflops"] == 790.0
+    steps = {line["variant"]: line for line in by_name(lines, "train_step")}
+    assert set(steps) == {"vanilla", "dar"}
+    for step in steps.values():
+        assert step["tokens_per_s"] > 0 and 0 < step["mfu"] < 1 and step["compiled"] is False
+        assert step["flop_per_step"] > 0 and step["batch"] == [2, 32]
+    assert by_name(lines, "train_dar_over_vanilla")[0]["ratio"] > 0
+    (fit,) = by_name(lines, "fit_step")
+    assert fit["objective"] == "dimpo" and fit["instances_per_s"] > 0 and fit["batch_size"] == 1
+    assert fit["capture_shape"]["keys"] == fit["keys_per_instance"]
+    (capture,) = by_name(lines, "capture")
+    # one float32 copy of q (N, H, T, d), k and v (N, H_kv, T, d) of each of the 2 layers
+    n, t, heads, kv_heads, d = capture["sequences"], capture["seq_len"], 4, 2, 16
+    assert capture["captured_bytes"] == 2 * 4 * n * t * d * (heads + 2 * kv_heads)
+    assert capture["host_peak_rss_bytes"] >= capture["host_rss_before_bytes"] > 0
+    assert capture["host_peak_increase_bytes"] == capture["host_peak_rss_bytes"] - capture["host_rss_before_bytes"]
+    assert "gpu_peak_bytes" not in capture  # CUDA only
+    assert [line["section"] for line in by_name(lines, "section_done")] == ["kernels", "train", "fit", "capture"]
+    assert by_name(lines, "summary") == [{**by_name(lines, "summary")[0], "passed": True, "failed": []}]
+
+
+def test_flex_kernels_pass_against_the_cpu_reference(small_run):
+    _, lines = small_run
+    checks = by_name(lines, "kernel_check")
+    assert {(c["pattern"], c["shape"]["T"]) for c in checks} == {(p, t) for p in ("dar", "swa", "dilated")
+                                                                for t in (150, 64)}  # 150: not a multiple of 128
+    for check in checks:
+        assert check["passed"] and check["dtype"] == "bfloat16" and check["kernel"] == "flex"
+        err = check["errors"]["out"]
+        assert err["finite"] and 0 < err["rel_norm"] <= check["tolerance"]["rel_norm"]
+        assert err["max_abs"] > 0  # bf16 against float64: never exactly equal
+    skipped = {(line["section"], line["what"]) for line in by_name(lines, "skipped")}
+    assert skipped == {("kernels", "FlexAttention backward (gradients)"), ("train", "torch.compile"),
+                       ("capture", "peak GPU memory")}  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_failing_check_fails_the_run(monkeypatch, capsys):
+    """The same script in-process with a tolerance no bf16 kernel meets: exit status 1, named."""
+    sys.path.insert(0, str(ROOT))
+    import benchmarks.gpu as gpu
+
+    monkeypatch.setattr(gpu, "TOLERANCE", {"rel_norm": 1e-9, "max_rel": 1e-9})
+    monkeypatch.setattr(gpu, "KERNEL_SHAPES", {"small": [(1, 1, 9, 8, 3)]})
+    monkeypatch.setattr(gpu, "failures", [])
+    monkeypatch.setattr(gpu, "keep_freed_memory", lambda: None)  # leave the test process's allocator alone
+    with pytest.raises(SystemExit) as exit_info:
+        gpu.main(["--device", "cpu", "--small", "--only", "kernels"])
+    assert exit_info.value.code == 1
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    summary = by_name(lines, "summary")[0]
+    assert not summary["passed"] and summary["failed"] == ["flex_dar_T9", "flex_swa_T9", "flex_dilated_T9"]
+
+
+def test_the_gradient_checks_run_where_the_kernel_has_a_backward(monkeypatch, capsys):
+    """FlexAttention has no backward on CPU, so the CUDA run's gradient checks are exercised here
+    with the blocked kernel in its place: every input's gradient is compared and passes."""
+    sys.path.insert(0, str(ROOT))
+    import benchmarks.gpu as gpu
+
+    monkeypatch.setattr(gpu, "KERNEL", "blocked")
+    monkeypatch.setattr(gpu, "failures", [])
+    monkeypatch.setattr(gpu, "keep_freed_memory", lambda: None)
+    with pytest.raises(SystemExit) as exit_info:
+        gpu.main(["--device", "cpu", "--small", "--only", "kernels"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert exit_info.value.code == 0, by_name(lines, "summary")
+    assert not by_name(lines, "skipped")
+    checks = by_name(lines, "kernel_check")
+    assert len(checks) == 6
+    for check in checks:
+        expected = {"out", "grad_q", "grad_k", "grad_v"} | ({"grad_k_far", "grad_v_far"} if check["pattern"] == "dar" else set())
+        assert check["gradients"] and set(check["errors"]) == expected and check["passed"]
+        assert all(0 < err["rel_norm"] <= gpu.TOLERANCE["rel_norm"] for err in check["errors"].values())
