@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dimattn.affine import _metadata, _sort_metadata
+from dimattn.affine import _sort_metadata, encode_metadata
 from dimattn.capture import capture_qkv
 from dimattn.projections import save_capture
 
@@ -89,6 +89,6 @@ def test_capture_file_is_what_save_file_writes_of_the_concatenated_batches(tmp_p
     # The reference: safetensors' own writer on the same tensors and metadata, headers sorted.
     tensors = {f"layer{layer}.{name}": t for layer, parts in capture.items() for name, t in parts.items()}
     derived = dict(head_dim=8, heads=4, kv_heads=2, seq_len=24, n_sequences=5, layers=[0, 1, 2])
-    save_file(tensors, str(tmp_path / "reference.safetensors"), metadata=_metadata({**meta, **derived}))
+    save_file(tensors, str(tmp_path / "reference.safetensors"), metadata=encode_metadata({**meta, **derived}))
     _sort_metadata(tmp_path / "reference.safetensors")
     assert Path(tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
