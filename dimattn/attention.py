@@ -144,7 +144,8 @@ class Band(_Path):
     wasted scores for larger matmuls (forward at T 8192, w 256, in the flash kernel: b 32 beat
     64, 128 and 256). The key spans are strided views (``unfold``, or overlapping
     ``as_strided`` heads for the flash kernel) of the padded keys, never copies; gradients of the
-    spans are added back chunk by chunk for the same reason."""
+    spans are added back chunk by chunk for the same reason (the flash backward takes blocks of
+    the window itself and needs no spans, see below)."""
 
     def __init__(self, window: int):
         self.window = window
@@ -163,8 +164,8 @@ class Band(_Path):
 
     def _geometry(self, t: int, backward: bool = False):
         # The forward and the backward each recompute the scores, so each takes its own blocks:
-        # the flash backward also writes and folds back m key-span gradients, so fewer, larger
-        # blocks (up to 64) pay there (T 2048, w 128: 64 took 0.76 of 32's time).
+        # the (non-fused) backward adds m key-span gradients back, so fewer, larger blocks (up
+        # to 64) pay there (T 2048, w 128: 64 took 0.65 of 32's time).
         b = self.block or min(64 if backward else 32, max(16, self.window // 2))
         m = -(-(self.window - 1) // b) + 1  # key blocks per query block
         return b, m, -(-t // b)
@@ -227,13 +228,6 @@ class Band(_Path):
     def _from_heads(x, shape, t):  # (B H, nb, b, ...) -> (B, H, T, ...)
         return x.unflatten(0, shape[:2]).flatten(2, 3)[:, :, :t]
 
-    def _fold_spans(self, g, shape, b, m, nb, t):  # gradient of the span copies, back onto the keys
-        g = g.unflatten(0, shape[:2]).unflatten(-2, (m, b))  # (B, H, nb, m, b, D)
-        total = g.new_zeros(*shape[:2], nb + m - 1, b, g.shape[-1])
-        for c in range(m):  # chunk c of query block n's span is padded key block n + c
-            total[:, :, c : c + nb] += g[:, :, :, c]
-        return total.flatten(-3, -2)[..., (m - 1) * b : (m - 1) * b + t, :]
-
     def _flash_forward(self, q, k, v, scale):
         t = q.shape[-2]
         b, m, nb = self._geometry(t)
@@ -243,16 +237,39 @@ class Band(_Path):
         )
         return self._from_heads(out, q.shape, t), self._from_heads(lse, q.shape, t)
 
+    # The backward needs no spans: with blocks of exactly ``window`` queries, query block n sees
+    # its own block causally and block n - 1 where i - j < window (i mod w < j mod w), two flash
+    # calls over plain reshaped views whose key gradients land on the keys themselves, without
+    # the m-fold span gradients to zero-fill and fold back (T 2048, w 128: 0.9 of the spans'
+    # time). Padded queries get lse +inf, so P = 0 there.
+
     def _flash_backward(self, q, k, v, scale, d_out, out, lse):
-        t = q.shape[-2]
-        b, m, nb = self._geometry(t, backward=True)
-        qb, dob, ob, lseb = (self._as_heads(x, b, nb) for x in (q, d_out, out.to(q.dtype), lse))
-        ks, vs = self._span_heads(k, b, m, nb), self._span_heads(v, b, m, nb)
-        dq, dks, dvs = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dob, qb, ks, vs, ob, lseb, 0.0, False, attn_mask=self._head_bias(b, m, nb, q), scale=scale
-        )
-        return (self._from_heads(dq, q.shape, t), self._fold_spans(dks, q.shape, b, m, nb, t),
-                self._fold_spans(dvs, q.shape, b, m, nb, t))
+        t, w = q.shape[-2], self.window
+        nb = -(-t // w)
+
+        def blocks(x, fill=0.0):  # (B, H, T, ...) -> (B H, nb, w, ...)
+            if nb * w > t:
+                x = F.pad(x, (0, 0, 0, nb * w - t) if x.dim() == 4 else (0, nb * w - t), value=fill)
+            return x.reshape(-1, nb, w, *x.shape[3:])
+
+        qh, kh, vh, doh, oh = (blocks(x) for x in (q, k, v, d_out, out.to(q.dtype)))
+        lseh = blocks(lse, float("inf"))
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        dq, dk, dv = backward(doh, qh, kh, vh, oh, lseh.contiguous(), 0.0, True, scale=scale)
+        if nb > 1 and w > 1:
+            prev = self._previous_block_bias(w, q.device, q.dtype).expand(1, nb - 1, w, w)
+            dq1, dk1, dv1 = backward(doh[:, 1:], qh[:, 1:], kh[:, :-1], vh[:, :-1], oh[:, 1:],
+                                     lseh[:, 1:].contiguous(), 0.0, False, attn_mask=prev, scale=scale)
+            dq[:, 1:] += dq1
+            dk[:, :-1] += dk1
+            dv[:, :-1] += dv1
+        return tuple(x.reshape(*q.shape[:2], nb * w, x.shape[-1])[:, :, :t] for x in (dq, dk, dv))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=16)
+    def _previous_block_bias(w, device, dtype):  # key j of the block before sees query i iff i < j
+        i = torch.arange(w, device=device)
+        return torch.zeros(w, w, device=device, dtype=dtype).masked_fill_(i[None, :] <= i[:, None], NEG_INF)
 
     def forward(self, q, k, v, scale):
         if _fused_cpu(q):

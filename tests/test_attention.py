@@ -345,9 +345,11 @@ def test_registry_variants_match_public_functions():
 @pytest.mark.parametrize("impl", ["flash-paths", "math-paths"])
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_band_blocks_differ_between_forward_and_backward(pattern, impl, monkeypatch):
-    """Window 80: the band's forward takes blocks of 32 (4 per span), its backward blocks of 40
-    (3 per span); T = 150 is a multiple of neither and the window of neither block. A shifted
-    causal path (DAR) covers only the queries past the window and is merged into those rows."""
+    """Window 80: the band's forward takes blocks of 32 (4 per span); its backward, blocks of 40
+    (3 per span) in PyTorch, of the window itself in the flash kernel (its own block causally,
+    the block before under a mask). T = 150 is a multiple of none of these and the window of
+    neither 32 nor 40. A shifted causal path (DAR) covers only the queries past the window and is
+    merged into those rows."""
     use_blocked(monkeypatch, impl)
     window = 80
     assert attention.Band(window)._geometry(150) == (32, 4, 5)
