@@ -9,7 +9,9 @@ same process, interleaved, so that machine noise hits both sides alike. Times ar
 
 (a) DAR attention forward+backward / vanilla causal SDPA, B=4 H=8 T=2048 D=64 w=128
     (target <= 1.5; the FLOP ratio is printed beside it).
-(b) sliding-window forward at T=8192 / T=2048, w=256 (linear: ~4), beside full causal (~16).
+(b) sliding-window forward at T=8192 / T=2048, w=256 (linear: ~4), beside full causal (~16);
+    swa_over_causal_8192: the window's time over full causal SDPA's at T=8192 (target <= 0.10;
+    FLOP ratio 0.0615).
 (c) one DAR training step / one vanilla step on the default config's model, in float32 and
     under bf16 autocast (fused AdamW, as dimattn.training runs it); benchmarks/training.py has
     the throughput and MFU of these steps.
@@ -103,7 +105,10 @@ def bench_swa_scaling(repeats):
         t = interleaved({"swa_2048": swa(2048), "swa_8192": swa(8192),
                          "causal_2048": causal(2048), "causal_8192": causal(8192)}, repeats)
     emit({"name": "b_swa_forward_T8192_over_T2048", "ratio": t["swa_8192"] / t["swa_2048"], "target": "~4 (linear)",
-          "causal_ratio": t["causal_8192"] / t["causal_2048"], "swa_s": [t["swa_2048"], t["swa_8192"]],
+          "causal_ratio": t["causal_8192"] / t["causal_2048"],
+          # the window's share of full causal attention's time at T 8192 (target <= 0.10)
+          "swa_over_causal_8192": t["swa_8192"] / t["causal_8192"],
+          "swa_over_causal_8192_flop_ratio": (8192 * w - w * (w - 1) / 2) / (8192 * 8193 / 2), "swa_s": [t["swa_2048"], t["swa_8192"]],
           "causal_s": [t["causal_2048"], t["causal_8192"]], "shape": dict(B=B, H=H, D=D, window=w)})
 
 

@@ -18,7 +18,8 @@ Three implementations compute the same thing, chosen by ``kernel``:
   paths' scores side by side, block of queries by block, each block holding only the keys its
   queries can see, under one softmax: batched matmuls in the inputs' dtype (bfloat16 under
   autocast) and in-place passes, probabilities kept for an exact backward. Where those would
-  pass JOINT_MAX_BYTES (and off CPU) each path is computed on its own and merged through the
+  pass JOINT_MAX_BYTES, without a backward past JOINT_NOGRAD_MAX_T queries, and off CPU, each
+  path is computed on its own and merged through the
   log-sum-exp into one softmax: no T x 2T mask exists, the band costs O(T * 2 block), the
   shifted causal path runs in PyTorch's fused CPU flash kernel, and the backward is exact (each
   path's gradient uses the *merged* output and log-sum-exp). Vanilla and uniform layers take
@@ -139,9 +140,12 @@ class _Path:
 class Band(_Path):
     """Keys 0 <= i - j < window, block by block: a block of b queries sees its own block and the
     m - 1 blocks before it (L = m b >= window - 1 + b keys), so the scores cost T * L, never
-    T^2; blocks of b ~ window / 2 (at most 64) trade some wasted scores for larger matmuls. The key spans are strided
-    views (``unfold``) of the padded keys, never copies; gradients of the spans are added back
-    chunk by chunk for the same reason."""
+    T^2; blocks of b ~ window / 2, from 16 to 32 in the forward (64 in the backward), trade some
+    wasted scores for larger matmuls (forward at T 8192, w 256, in the flash kernel: b 32 beat
+    64, 128 and 256). The key spans are strided views (``unfold``, or overlapping
+    ``as_strided`` heads for the flash kernel) of the padded keys, never copies; gradients of the
+    spans are added back chunk by chunk for the same reason (the flash backward takes blocks of
+    the window itself and needs no spans, see below)."""
 
     def __init__(self, window: int):
         self.window = window
@@ -158,8 +162,11 @@ class Band(_Path):
     def live(self, i, j):
         return (i - j >= 0) & (i - j < self.window)
 
-    def _geometry(self, t: int):
-        b = self.block or min(64, max(16, self.window // 2))
+    def _geometry(self, t: int, backward: bool = False):
+        # The forward and the backward each recompute the scores, so each takes its own blocks:
+        # the (non-fused) backward adds m key-span gradients back, so fewer, larger blocks (up
+        # to 64) pay there (T 2048, w 128: 64 took 0.65 of 32's time).
+        b = self.block or min(64 if backward else 32, max(16, self.window // 2))
         m = -(-(self.window - 1) // b) + 1  # key blocks per query block
         return b, m, -(-t // b)
 
@@ -196,11 +203,15 @@ class Band(_Path):
         return s.sub_(mx).exp_(), mx
 
     # On CPU the blocks go through PyTorch's fused flash kernel: batch x heads fold into the
-    # kernel's batch, and block n's queries become "head" n against a copy of their key span,
-    # under one additive (nb, b, L) mask shared by every batch row.
+    # kernel's batch, and block n's queries become "head" n against their key span, under one
+    # additive (nb, b, L) mask shared by every batch row. The kernel reads its inputs through
+    # their strides, so the spans are overlapping views of the padded keys: m times fewer bytes
+    # written than copies.
 
-    def _span_heads(self, x, b, m, nb):  # (B, H, T, D) -> (B H, nb, m b, D), copied
-        return self._spans_t(self._padded(x, b, m, nb), b, m).transpose(-1, -2).flatten(0, 1)
+    def _span_heads(self, x, b, m, nb):  # (B, H, T, D) -> (B H, nb, m b, D), an overlapping view
+        xp = self._padded(x, b, m, nb).flatten(0, 1).contiguous()
+        rows, d = xp.shape[-2:]
+        return xp.as_strided((xp.shape[0], nb, m * b, d), (rows * d, b * d, d, 1))
 
     def _head_bias(self, b, m, nb, x):
         return self._bias(self.window, b, m, nb, x.device, torch.promote_types(x.dtype, torch.float32)).to(
@@ -217,32 +228,72 @@ class Band(_Path):
     def _from_heads(x, shape, t):  # (B H, nb, b, ...) -> (B, H, T, ...)
         return x.unflatten(0, shape[:2]).flatten(2, 3)[:, :, :t]
 
-    def _fold_spans(self, g, shape, b, m, nb, t):  # gradient of the span copies, back onto the keys
-        g = g.unflatten(0, shape[:2]).unflatten(-2, (m, b))  # (B, H, nb, m, b, D)
-        total = g.new_zeros(*shape[:2], nb + m - 1, b, g.shape[-1])
-        for c in range(m):  # chunk c of query block n's span is padded key block n + c
-            total[:, :, c : c + nb] += g[:, :, :, c]
-        return total.flatten(-3, -2)[..., (m - 1) * b : (m - 1) * b + t, :]
-
     def _flash_forward(self, q, k, v, scale):
+        """The first m - 1 blocks (whose spans reach before key 0) over front-padded keys and
+        their own masks; every later block's span lies inside the keys, so those spans are views
+        of the keys themselves (no padded copy) under one (b, L) mask, broadcast over blocks (it
+        stays in cache: 0.87 of the per-block mask's time at T 8192, w 256)."""
         t = q.shape[-2]
         b, m, nb = self._geometry(t)
-        ks, vs = self._span_heads(k, b, m, nb), self._span_heads(v, b, m, nb)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            self._as_heads(q, b, nb), ks, vs, 0.0, False, attn_mask=self._head_bias(b, m, nb, q), scale=scale
-        )
-        return self._from_heads(out, q.shape, t), self._from_heads(lse, q.shape, t)
+        front = min(t, (m - 1) * b)
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        parts = []
+        if front:
+            qf, kf, vf = (x[..., :front, :] for x in (q, k, v))
+            nf = -(-front // b)
+            o, lse = flash(self._as_heads(qf, b, nf), self._span_heads(kf, b, m, nf), self._span_heads(vf, b, m, nf),
+                           0.0, False, attn_mask=self._head_bias(b, m, nf, q), scale=scale)
+            parts.append((self._from_heads(o, q.shape, front), self._from_heads(lse, q.shape, front)))
+        if t > front:
+            n = nb - m + 1  # blocks m - 1 .. nb - 1; block m - 1 + i spans keys i b .. (i + m) b
+            pad = nb * b - t
+
+            def rows(x):  # (B, H, T, D) -> (B H, nb b, D), padded at the end, contiguous
+                return (F.pad(x, (0, 0, 0, pad)) if pad else x).flatten(0, 1).contiguous()
+
+            qh = rows(q)[:, front:].unflatten(1, (n, b))
+            kh, vh = ((x := rows(y)).as_strided((x.shape[0], n, m * b, x.shape[-1]), (x.stride(0), b * x.stride(1),
+                                                                                     x.stride(1), 1)) for y in (k, v))
+            bias = self._head_bias(b, m, m, q)[:, m - 1 :].expand(1, n, b, m * b)
+            o, lse = flash(qh, kh, vh, 0.0, False, attn_mask=bias, scale=scale)
+            parts.append((self._from_heads(o, q.shape, t - front), self._from_heads(lse, q.shape, t - front)))
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([o for o, _ in parts], -2), torch.cat([lse for _, lse in parts], -1)
+
+    # The backward needs no spans: with blocks of exactly ``window`` queries, query block n sees
+    # its own block causally and block n - 1 where i - j < window (i mod w < j mod w), two flash
+    # calls over plain reshaped views whose key gradients land on the keys themselves, without
+    # the m-fold span gradients to zero-fill and fold back (T 2048, w 128: 0.9 of the spans'
+    # time). Padded queries get lse +inf, so P = 0 there.
 
     def _flash_backward(self, q, k, v, scale, d_out, out, lse):
-        t = q.shape[-2]
-        b, m, nb = self._geometry(t)
-        qb, dob, ob, lseb = (self._as_heads(x, b, nb) for x in (q, d_out, out.to(q.dtype), lse))
-        ks, vs = self._span_heads(k, b, m, nb), self._span_heads(v, b, m, nb)
-        dq, dks, dvs = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dob, qb, ks, vs, ob, lseb, 0.0, False, attn_mask=self._head_bias(b, m, nb, q), scale=scale
-        )
-        return (self._from_heads(dq, q.shape, t), self._fold_spans(dks, q.shape, b, m, nb, t),
-                self._fold_spans(dvs, q.shape, b, m, nb, t))
+        t, w = q.shape[-2], self.window
+        nb = -(-t // w)
+
+        def blocks(x, fill=0.0):  # (B, H, T, ...) -> (B H, nb, w, ...)
+            if nb * w > t:
+                x = F.pad(x, (0, 0, 0, nb * w - t) if x.dim() == 4 else (0, nb * w - t), value=fill)
+            return x.reshape(-1, nb, w, *x.shape[3:])
+
+        qh, kh, vh, doh, oh = (blocks(x) for x in (q, k, v, d_out, out.to(q.dtype)))
+        lseh = blocks(lse, float("inf"))
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        dq, dk, dv = backward(doh, qh, kh, vh, oh, lseh.contiguous(), 0.0, True, scale=scale)
+        if nb > 1 and w > 1:
+            prev = self._previous_block_bias(w, q.device, q.dtype).expand(1, nb - 1, w, w)
+            dq1, dk1, dv1 = backward(doh[:, 1:], qh[:, 1:], kh[:, :-1], vh[:, :-1], oh[:, 1:],
+                                     lseh[:, 1:].contiguous(), 0.0, False, attn_mask=prev, scale=scale)
+            dq[:, 1:] += dq1
+            dk[:, :-1] += dk1
+            dv[:, :-1] += dv1
+        return tuple(x.reshape(*q.shape[:2], nb * w, x.shape[-1])[:, :, :t] for x in (dq, dk, dv))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=16)
+    def _previous_block_bias(w, device, dtype):  # key j of the block before sees query i iff i < j
+        i = torch.arange(w, device=device)
+        return torch.zeros(w, w, device=device, dtype=dtype).masked_fill_(i[None, :] <= i[:, None], NEG_INF)
 
     def forward(self, q, k, v, scale):
         if _fused_cpu(q):
@@ -262,7 +313,7 @@ class Band(_Path):
         if _fused_cpu(q):
             return self._flash_backward(q, k, v, scale, d_out, out, lse)
         t = q.shape[-2]
-        b, m, nb = self._geometry(t)
+        b, m, nb = self._geometry(t, backward=True)
         q, k, v, d_out, out = _wide(q, k, v, d_out, out)
         qb = self._blocks(q * scale, b, nb)
         dob, ob = self._blocks(d_out, b, nb), self._blocks(out, b, nb)
@@ -282,7 +333,9 @@ class Band(_Path):
 
 class ShiftedCausal(_Path):
     """Keys j <= i - shift: causal attention of queries [shift:] over keys [:T - shift], in
-    PyTorch's fused CPU flash kernel (which returns the log-sum-exp the merge needs)."""
+    PyTorch's fused CPU flash kernel (which returns the log-sum-exp the merge needs). The kernel
+    reads the slices as views; its output and dq cover queries [shift:] only (the merge adds
+    them into the last rows), saving a T x D copy and fill each."""
 
     def __init__(self, shift: int):
         self.shift = shift
@@ -297,15 +350,13 @@ class ShiftedCausal(_Path):
         return i - j >= self.shift
 
     def forward(self, q, k, v, scale):
-        t, s = q.shape[-2], self.shift
-        if s >= t:
-            return q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full(q.shape[:-1], NEG_INF)
-        qs, ks, vs = q[..., s:, :].contiguous(), k[..., : t - s, :].contiguous(), v[..., : t - s, :].contiguous()
+        t, s = q.shape[-2], min(self.shift, q.shape[-2])
+        qs, ks, vs = q[..., s:, :], k[..., : t - s, :], v[..., : t - s, :]
+        if s == t:  # no query sees a key: no rows
+            return q.new_zeros(*qs.shape[:-1], v.shape[-1]), q.new_zeros(qs.shape[:-1])
         if _fused_cpu(q):
-            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, ks, vs, 0.0, True, scale=scale)
-        else:
-            o, lse = _masked_forward(qs, ks, vs, self._tril(t - s, q.device), scale)
-        return F.pad(o, (0, 0, s, 0)), F.pad(lse, (s, 0), value=NEG_INF)
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, ks, vs, 0.0, True, scale=scale)
+        return _masked_forward(qs, ks, vs, self._tril(t - s, q.device), scale)
 
     @staticmethod
     def _tril(n, device):
@@ -315,15 +366,15 @@ class ShiftedCausal(_Path):
         t, s = q.shape[-2], self.shift
         if s >= t:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        args = [x.contiguous() for x in (q[..., s:, :], k[..., : t - s, :], v[..., : t - s, :])]
-        tail = [x[..., s:, :].to(q.dtype).contiguous() for x in (d_out, out)]
+        args = (q[..., s:, :], k[..., : t - s, :], v[..., : t - s, :])
+        tail = [x[..., s:, :].to(q.dtype) for x in (d_out, out)]
         if _fused_cpu(q):
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 tail[0], *args, tail[1], lse[..., s:].contiguous(), 0.0, True, scale=scale
             )
         else:
             dq, dk, dv = _masked_backward(*args, self._tril(t - s, q.device), scale, tail[0], tail[1], lse[..., s:])
-        return F.pad(dq, (0, 0, s, 0)), F.pad(dk, (0, 0, 0, s)), F.pad(dv, (0, 0, 0, s))
+        return dq, F.pad(dk, (0, 0, 0, s)), F.pad(dv, (0, 0, 0, s))
 
 
 class Strided(_Path):
@@ -372,12 +423,32 @@ class Strided(_Path):
         return dq, dk, dv
 
 
-def merge_paths(parts):
-    """[(out_i, lse_i)] -> (out, lse) of one softmax over the union of the paths' keys."""
+def _sum_rows(parts, t):
+    """Sum of (..., rows_i, D) tensors over the last rows of t (a path's output or dq may cover
+    only the last queries), in float32 or wider; the first full part is taken over, not copied."""
+    parts = sorted(parts, key=lambda x: -x.shape[-2])
+    first = parts[0]
+    wide = torch.promote_types(first.dtype, torch.float32)
+    total = first.to(wide) if first.shape[-2] == t else first.new_zeros(*first.shape[:-2], t, first.shape[-1], dtype=wide)
+    for part in parts[1:] if first.shape[-2] == t else parts:
+        if part.shape[-2]:
+            total[..., t - part.shape[-2] :, :] += part
+    return total
+
+
+def merge_paths(parts, t):
+    """[(out_i, lse_i)] -> (out, lse) of one softmax over the union of the paths' keys, for t
+    queries. A part may cover only the last queries (a shifted path has none before its shift);
+    the rows before them have no key in that path."""
     wide = torch.promote_types(parts[0][0].dtype, torch.float32)
-    lse = functools.reduce(torch.logaddexp, [l.to(wide) for _, l in parts])
+    if len(parts) == 1 and parts[0][1].shape[-1] == t:  # one path: its own softmax
+        return parts[0][0].to(wide), parts[0][1].to(wide)
+    lse = torch.full(parts[0][1].shape[:-1] + (t,), NEG_INF, dtype=wide, device=parts[0][1].device)
+    for _, l in parts:
+        tail = lse[..., t - l.shape[-1] :]
+        torch.logaddexp(tail, l.to(wide), out=tail)
     safe = torch.where(torch.isinf(lse), 0.0, lse)
-    out = sum(torch.exp(l - safe)[..., None] * o.to(wide) for o, l in parts)
+    out = _sum_rows([torch.exp(l.to(wide) - safe[..., t - l.shape[-1] :])[..., None] * o for o, l in parts], t)
     return out, lse
 
 
@@ -387,7 +458,7 @@ class _MergedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, paths, scale, *kvs):
         pairs = list(zip(kvs[0::2], kvs[1::2]))
-        out, lse = merge_paths([p.forward(q, k, v, scale) for p, (k, v) in zip(paths, pairs)])
+        out, lse = merge_paths([p.forward(q, k, v, scale) for p, (k, v) in zip(paths, pairs)], q.shape[-2])
         out = out.to(q.dtype)
         ctx.paths, ctx.scale = paths, scale
         ctx.save_for_backward(q, out, lse, *kvs)
@@ -397,12 +468,12 @@ class _MergedAttention(torch.autograd.Function):
     def backward(ctx, d_out):
         q, out, lse, *kvs = ctx.saved_tensors
         d_out = d_out.contiguous()
-        dq, grads = 0, []
+        dqs, grads = [], []
         for path, k, v in zip(ctx.paths, kvs[0::2], kvs[1::2]):
             g_q, g_k, g_v = path.backward(q, k, v, ctx.scale, d_out, out, lse)
-            dq = dq + g_q
+            dqs.append(g_q)
             grads += [g_k.to(k.dtype), g_v.to(v.dtype)]
-        return dq.to(q.dtype), None, None, *grads
+        return _sum_rows(dqs, q.shape[-2]).to(q.dtype), None, None, *grads
 
 
 # --- the joint kernel: CPU training --------------------------------------------------------------
@@ -423,6 +494,10 @@ class _MergedAttention(torch.autograd.Function):
 JOINT_ROWS = 64
 JOINT_ALIGN = 32  # block widths are padded to a multiple (masked keys): softmax has no scalar tail
 JOINT_MAX_BYTES = 256 << 20  # probabilities kept for the backward, per call
+# Without a backward the joint kernel's one advantage, probabilities kept, is moot: past this
+# many queries one flash call per path beats its hundreds of small matmuls (sliding window,
+# T 2048 and 8192, w 256: 3-9x faster, by more where the two cores are shared).
+JOINT_NOGRAD_MAX_T = 1024
 
 
 @functools.lru_cache(maxsize=256)
@@ -538,6 +613,8 @@ def _joint(q, paths, kvs):
     if q.device.type != "cpu":
         return None
     keep = torch.is_grad_enabled() and any(x.requires_grad for x in (q, *kvs))
+    if not keep and q.shape[-2] > JOINT_NOGRAD_MAX_T:
+        return None
     if keep:
         plan = _plan(paths, q.shape[-2], q.device, q.dtype)
         kept = sum((n1 - n0) * sum(b - a for _, a, b in segments) for n0, n1, segments, _ in plan)

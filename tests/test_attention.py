@@ -340,3 +340,42 @@ def test_registry_variants_match_public_functions():
     torch.testing.assert_close(reg["swa"](q, (kn, vn), None, window=4), naive_swa(q, kn, vn, 4))
     torch.testing.assert_close(reg["dilated"](q, (kn, vn), None, window=2, dilation=3), naive_dilated(q, kn, vn, 2, 3))
     torch.testing.assert_close(reg["dar"](q, (kn, vn), (kf, vf), window=4), naive_dar(q, kn, vn, kf, vf, 4))
+
+
+@pytest.mark.parametrize("impl", ["flash-paths", "math-paths"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_band_blocks_differ_between_forward_and_backward(pattern, impl, monkeypatch):
+    """Window 80: the band's forward takes blocks of 32 (4 per span); its backward, blocks of 40
+    (3 per span) in PyTorch, of the window itself in the flash kernel (its own block causally,
+    the block before under a mask). T = 150 is a multiple of none of these and the window of
+    neither 32 nor 40. A shifted causal path (DAR) covers only the queries past the window and is
+    merged into those rows."""
+    use_blocked(monkeypatch, impl)
+    window = 80
+    assert attention.Band(window)._geometry(150) == (32, 4, 5)
+    assert attention.Band(window)._geometry(150, backward=True) == (40, 3, 4)
+    fn, naive, _ = PATTERNS[pattern]
+    ts = [t.requires_grad_(True) for t in random_qkv(B=1, H=2, T=150, D=4, seed=3)]
+    out, ref = fn(ts, window, "blocked"), naive(ts, window)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, ts, grad, allow_unused=True)
+    want = torch.autograd.grad(ref, ts, grad, allow_unused=True)
+    for g, w in zip(got, want):
+        if w is not None:
+            torch.testing.assert_close(g, w)
+
+
+def test_sliding_window_without_grad_leaves_the_joint_kernel_past_its_length(monkeypatch):
+    """No backward: past JOINT_NOGRAD_MAX_T queries one flash call per path serves, same values."""
+    monkeypatch.setattr(attention, "JOINT_NOGRAD_MAX_T", 32)
+    q, k, v = random_qkv(B=1, H=2, T=70, D=4)[:3]
+    calls = []
+    merged = attention._MergedAttention.apply
+    monkeypatch.setattr(attention._MergedAttention, "apply", lambda *a: calls.append("merged") or merged(*a))
+    with torch.no_grad():
+        out = sliding_window_attention(q, k, v, 20, kernel="blocked")
+        short = sliding_window_attention(q[:, :, :30], k[:, :, :30], v[:, :, :30], 20, kernel="blocked")
+    assert calls == ["merged"]
+    torch.testing.assert_close(out, naive_swa(q, k, v, 20))
+    torch.testing.assert_close(short, naive_swa(q[:, :, :30], k[:, :, :30], v[:, :, :30], 20))
