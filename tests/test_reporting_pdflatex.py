@@ -32,7 +32,7 @@ from reporting_fixtures import (
 
 from dimattn.reporting import latex, outputs, summaries
 
-PACKAGES = ["texlive-latex-recommended", "texlive-latex-extra"]
+PACKAGES = ["texlive-latex-recommended"]  # booktabs; geometry, amsmath and graphicx come with latex-base
 STYLES = ["geometry.sty", "booktabs.sty", "amsmath.sty", "graphicx.sty"]
 ALLOWED = {"booktabs", "amsmath", "graphicx"}  # the plain article's packages
 TABLES = [name for name in outputs.OUTPUTS if name.endswith(".tex")]
