@@ -76,6 +76,20 @@ def random_qkv(B=2, H=3, T=9, D=4, seed=0):
     return [torch.randn(B, H, T, D, generator=g) for _ in range(5)]
 
 
+def assert_same_outputs_and_grads(out, ref, ts):
+    """out and ref equal, and so are their gradients with respect to ts under one random upstream
+    gradient; an input ref does not read gets no gradient from out either (None or zeros)."""
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, ts, grad, allow_unused=True)
+    want = torch.autograd.grad(ref, ts, grad, allow_unused=True)
+    for g, w in zip(got, want):
+        if w is None:  # an input this pattern does not read
+            assert g is None or (g == 0).all()
+        else:
+            torch.testing.assert_close(g, w)
+
+
 @pytest.mark.parametrize("window", [0, 1, 2, 4, 8, 9, 20])
 def test_dar_matches_naive_loop(window):
     q, kn, vn, kf, vf = random_qkv()
@@ -200,17 +214,7 @@ def test_blocked_kernel_forward_and_backward_match_naive(pattern, T, window, imp
     if window < minimum:
         pytest.skip("window below the pattern's minimum")
     ts = [t.requires_grad_(True) for t in random_qkv(B=2, H=2, T=T, D=4)]
-    out = fn(ts, window, "blocked")
-    ref = naive(ts, window)
-    torch.testing.assert_close(out, ref)
-    grad = torch.randn_like(out)
-    got = torch.autograd.grad(out, ts, grad, allow_unused=True)
-    want = torch.autograd.grad(ref, ts, grad, allow_unused=True)
-    for g, w in zip(got, want):
-        if w is None:  # an input this pattern does not read
-            assert g is None or (g == 0).all()
-        else:
-            torch.testing.assert_close(g, w)
+    assert_same_outputs_and_grads(fn(ts, window, "blocked"), naive(ts, window), ts)
 
 
 JOINT_PATTERNS = {
@@ -230,14 +234,8 @@ def test_joint_kernel_block_geometry(pattern, T, window, rows, monkeypatch):
     monkeypatch.setattr(attention, "JOINT_ROWS", rows)
     fn = JOINT_PATTERNS[pattern]
     ts = [t.requires_grad_(True) for t in random_qkv(B=1, H=2, T=T, D=4, seed=T)]
-    out, ref = fn(ts, window, "blocked"), fn(ts, window, "dense")
-    torch.testing.assert_close(out, ref)
-    grad = torch.randn_like(out)
-    got = torch.autograd.grad(out, ts, grad, allow_unused=True)
-    want = torch.autograd.grad(ref, ts, grad, allow_unused=True)
-    for g, w in zip(got, want):
-        if w is not None:
-            torch.testing.assert_close(g, w)
+    out = fn(ts, window, "blocked")
+    assert_same_outputs_and_grads(out, fn(ts, window, "dense"), ts)
     with torch.no_grad():  # no probabilities kept: the same forward
         torch.testing.assert_close(fn(ts, window, "blocked"), out)
 
@@ -356,14 +354,7 @@ def test_band_blocks_differ_between_forward_and_backward(pattern, impl, monkeypa
     assert attention.Band(window)._geometry(150, backward=True) == (40, 3, 4)
     fn, naive, _ = PATTERNS[pattern]
     ts = [t.requires_grad_(True) for t in random_qkv(B=1, H=2, T=150, D=4, seed=3)]
-    out, ref = fn(ts, window, "blocked"), naive(ts, window)
-    torch.testing.assert_close(out, ref)
-    grad = torch.randn_like(out)
-    got = torch.autograd.grad(out, ts, grad, allow_unused=True)
-    want = torch.autograd.grad(ref, ts, grad, allow_unused=True)
-    for g, w in zip(got, want):
-        if w is not None:
-            torch.testing.assert_close(g, w)
+    assert_same_outputs_and_grads(fn(ts, window, "blocked"), naive(ts, window), ts)
 
 
 def test_sliding_window_without_grad_leaves_the_joint_kernel_past_its_length(monkeypatch):
