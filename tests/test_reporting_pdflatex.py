@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from system_packages import apt_install_or_skip
 from reporting_fixtures import (
     FULL,
     REFERENCE,
@@ -51,20 +52,9 @@ def _missing() -> list[str]:
 
 
 def _install_or_skip() -> None:
-    if not _missing():
-        return
-    if sys.platform != "linux" or os.geteuid() != 0:
+    if _missing() and (sys.platform != "linux" or os.geteuid() != 0):
         pytest.skip(f"LaTeX is not installed ({', '.join(_missing())} missing) and installing it needs root")
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"LaTeX is not installed ({', '.join(_missing())} missing) and there is no apt-get")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
-    out = subprocess.run(install, capture_output=True, text=True, env=env, timeout=1200)
-    if out.returncode != 0:  # a stale package list: update once, then try again
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env, timeout=600)
-        out = subprocess.run(install, capture_output=True, text=True, env=env, timeout=1200)
-    if out.returncode != 0 or _missing():
-        pytest.skip(f"apt-get could not install {' '.join(PACKAGES)}: {(out.stdout + out.stderr)[-1500:]}")
+    apt_install_or_skip(PACKAGES, _missing, "LaTeX", timeout=1200)
 
 
 @pytest.fixture(scope="module", params=[(0,), (0, 1, 2)], ids=["one_seed", "three_seeds"])

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from system_packages import apt_install_or_skip  # noqa: E402
 from test_workflow import REPO, SNAKEMAKE, snakemake, workdir  # noqa: E402
 
 sys.path.insert(0, str(REPO))
@@ -65,18 +66,7 @@ def _install_or_skip() -> None:
         pytest.skip("a SLURM test cluster needs Linux")
     if os.geteuid() != 0:
         pytest.skip("a SLURM test cluster needs root (daemons, /etc/slurm/slurm.conf, apt-get)")
-    if not _missing_binaries():
-        return
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"SLURM is not installed ({', '.join(_missing_binaries())} missing) and there is no apt-get")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
-    out = subprocess.run(install, capture_output=True, text=True, env=env, timeout=600)
-    if out.returncode != 0:  # a stale package list: update once, then try again
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env, timeout=600)
-        out = subprocess.run(install, capture_output=True, text=True, env=env, timeout=600)
-    if out.returncode != 0 or _missing_binaries():
-        pytest.skip(f"apt-get could not install {' '.join(PACKAGES)}: {(out.stdout + out.stderr)[-1500:]}")
+    apt_install_or_skip(PACKAGES, _missing_binaries, "SLURM")
 
 
 def _port_in_use(port: int) -> bool:
