@@ -2,6 +2,7 @@
 that the workflow writes itself from the held-out split (so the default run stays offline).
 """
 
+import contextlib
 import json
 import math
 import os
@@ -234,20 +235,21 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
             samples, counts = None, {}
             if min_context:
                 samples, counts = long_enough_samples(lm, manager, t["name"], shots, chat, limit, min_context)
-            out = lm_eval.simple_evaluate(
-                model=lm,
-                tasks=[t["name"]],
-                num_fewshot=shots,
-                batch_size=size,
-                device=device,
-                limit=None if samples else limit,  # lm-eval takes one of the two; limit is in samples
-                samples=samples,
-                task_manager=manager,
-                apply_chat_template=chat,
-                log_samples=False,
-                bootstrap_iters=1000,  # stderr: closed form for means, bootstrap for perplexities
-                confirm_run_unsafe_code=allow_unsafe_code,
-            )
+            with _without_env_info():
+                out = lm_eval.simple_evaluate(
+                    model=lm,
+                    tasks=[t["name"]],
+                    num_fewshot=shots,
+                    batch_size=size,
+                    device=device,
+                    limit=None if samples else limit,  # lm-eval takes one of the two; limit is in samples
+                    samples=samples,
+                    task_manager=manager,
+                    apply_chat_template=chat,
+                    log_samples=False,
+                    bootstrap_iters=1000,  # stderr: closed form for means, bootstrap for perplexities
+                    confirm_run_unsafe_code=allow_unsafe_code,
+                )
         except Exception as e:  # noqa: BLE001 - recorded, the other tasks still run
             import traceback
 
@@ -283,6 +285,21 @@ def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: st
         tmp.write_text(json.dumps(result, indent=2))
     return result
 
+
+
+@contextlib.contextmanager
+def _without_env_info():
+    """simple_evaluate adds torch's collect_env report to its results: pip, lscpu and friends in
+    subprocesses, about half a second a call and a task, for fields we never keep (we take the
+    results, not the environment: the model's fingerprint stands for it)."""
+    import lm_eval.evaluator
+
+    kept = lm_eval.evaluator.add_env_info
+    lm_eval.evaluator.add_env_info = lambda storage: None
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.add_env_info = kept
 
 def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
                 device: str = "cpu", dtype: str = "float32", allow_unsafe_code: bool = False,
