@@ -3,7 +3,7 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.evaluation import score_projected
+    from dimattn.dimpo_scoring import score_projected
     from dimattn.kv_compression import kv_fields
     from dimattn.modeling_projected import ProjectedConfig
 
