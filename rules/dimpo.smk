@@ -104,7 +104,7 @@ rule project_model:
                 "{objective}",
                 "{setting}",
                 "{d_prime}",
-                "{l}",
+                "{num_projected}",
                 "{kv}",
                 "{seed}",
             )
@@ -112,17 +112,17 @@ rule project_model:
     log:
         paths.log(
             "dimpo",
-            "project_{model}_{objective}_{setting}_d{d_prime}_l{l}_{kv}_s{seed}",
+            "project_{model}_{objective}_{setting}_d{d_prime}_l{num_projected}_{kv}_s{seed}",
         ),
     benchmark:
         paths.bench(
             "project_model",
-            "project_{model}_{objective}_{setting}_d{d_prime}_l{l}_{kv}_s{seed}",
+            "project_{model}_{objective}_{setting}_d{d_prime}_l{num_projected}_{kv}_s{seed}",
         )
     wildcard_constraints:
         setting=r"[^/]+",
         d_prime=r"\d+",
-        l=r"\d+",
+        num_projected=r"\d+",
         seed=r"\d+",
     conda:
         "../envs/torch.yaml"
@@ -141,28 +141,41 @@ rule project_model:
 rule score_projected:
     input:
         model=paths.projected_model(
-            "{model}", "{objective}", "{setting}", "{d_prime}", "{l}", "{kv}", "{seed}"
+            "{model}",
+            "{objective}",
+            "{setting}",
+            "{d_prime}",
+            "{num_projected}",
+            "{kv}",
+            "{seed}",
         ),
         tokens=projected_tokens,
         recall=projected_recall_tokens,
         lm_eval_data=lm_eval_data_files(),
     output:
         paths.downstream(
-            "{model}", "{objective}", "{setting}", "{d_prime}", "{l}", "{kv}", "{seed}"
+            "{model}",
+            "{objective}",
+            "{setting}",
+            "{d_prime}",
+            "{num_projected}",
+            "{kv}",
+            "{seed}",
         ),
     log:
         paths.log(
-            "dimpo", "score_{model}_{objective}_{setting}_d{d_prime}_l{l}_{kv}_s{seed}"
+            "dimpo",
+            "score_{model}_{objective}_{setting}_d{d_prime}_l{num_projected}_{kv}_s{seed}",
         ),
     benchmark:
         paths.bench(
             "score_projected",
-            "score_{model}_{objective}_{setting}_d{d_prime}_l{l}_{kv}_s{seed}",
+            "score_{model}_{objective}_{setting}_d{d_prime}_l{num_projected}_{kv}_s{seed}",
         )
     wildcard_constraints:
         setting=r"[^/]+",
         d_prime=r"\d+",
-        l=r"\d+",
+        num_projected=r"\d+",
         seed=r"\d+",
     conda:
         "../envs/lm_eval.yaml"
