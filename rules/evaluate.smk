@@ -31,7 +31,7 @@ rule score_text:
         lm_eval=lm_eval_params(),
         # each task's result as it finishes: a rerun scores only the tasks missing
         lm_eval_partial=lambda wc: f"{paths.checkpoints(wc.run)}/lm_eval",
-        device=PLAN.config["device"],
+        device=DEVICE,
     script:
         "../workflow_scripts/score_text.py"
 
@@ -59,7 +59,7 @@ rule perplexity:
     params:
         perplexity=score_params,
         lm_eval=None,
-        device=PLAN.config["device"],
+        device=DEVICE,
     script:
         "../workflow_scripts/score_text.py"
 
@@ -85,7 +85,7 @@ rule recall:
         gpu=gpu_count(),
     params:
         batch_size=PLAN.config["evaluation"]["recall"]["batch_size"],
-        device=PLAN.config["device"],
+        device=DEVICE,
         corpus=lambda wc: wc.dataset,
     script:
         "../workflow_scripts/recall.py"

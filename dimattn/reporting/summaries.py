@@ -410,7 +410,7 @@ def recall_metrics(probe: dict) -> dict[str, float | None]:
 
 def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str,
                          studies: dict[str, list[str]] | None = None) -> pd.DataFrame:  # fmt: skip
-    """Projected models' scores (dimattn.evaluation.score_projected), long: one row per (study,
+    """Projected models' scores (dimattn.dimpo_scoring.score_projected), long: one row per (study,
     model, objective, setting, d', l, kv, task, metric); held-out perplexity as task
     "perplexity:<corpus>", metric "ppl"; the recall probe as task "recall:<corpus>", metrics of
     :func:`recall_metrics`. ``studies``: {json path: [study, ...]} (rules/common.smk
