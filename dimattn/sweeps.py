@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import variants
+from .settings import key_list_length, resolve_top_k
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 SYNTHETIC_SOURCES = {"synthetic_recall"}
@@ -26,6 +27,9 @@ SYNTHETIC_SOURCES = {"synthetic_recall"}
 MAIN_STUDY = "table1"
 DEFAULT_SETTING = "default"
 CAPTURE_FIELDS = ("capture_dtype", "special_tokens")  # set per capture, so never per fit
+# The objectives whose loss reads DimPO's top-k (dimattn.objectives: "k" in Objective.hparams;
+# tests/test_sweeps.py holds the two equal).
+HEAD_OBJECTIVES = ("dimpo", "dimpo_list")
 
 
 def setting_name(overrides: dict) -> str:
@@ -576,6 +580,7 @@ def check_references(p: Plan) -> None:
         if stray:
             raise ConfigError(f"dimpo.ablations.{study}.models", f"{stray[0]!r} is not in dimpo.models "
                                                                  f"({list(p.dimpo_models)})")
+    _check_top_k(p)
     studies = {"dimpo": p.dimpo} | {f"dimpo.ablations.{s}": a for s, a in p.dimpo["ablations"].items()}
     for prefix, spec in studies.items():
         seen = {}
@@ -589,6 +594,44 @@ def check_references(p: Plan) -> None:
             if name in seen:
                 raise ConfigError(key, f"repeats settings[{seen[name]}] ({name})")
             seen[name] = i
+
+
+def _check_top_k(p: Plan) -> None:
+    """A DimPO fit whose head term keeps every key of its list (k >= keys: KL plus a constant) is
+    refused, naming the k or k_share that made it so. The layers merge as
+    dimattn.projections.resolve_settings merges them (hparams < per_objective < setting; a k
+    given alone clears an earlier share); a fit the config gives no k keeps its objective's
+    default (dimpo: the paper's share, 1/64; dimpo_list: k = 0). The list is the capture's
+    sequence length, or Appendix B's sampled keys."""
+    hp = p.dimpo["hparams"]
+    base = {name: value for name, value in hp.items() if name not in ("preset", "per_objective", "setting")}
+    for model in p.dimpo_models:
+        seq_len = p.dimpo_capture(model)["seq_len"]
+        for fit in p.model_fits(model):
+            if fit.objective not in HEAD_OBJECTIVES:
+                continue
+            main = fit.study == MAIN_STUDY
+            prefix, study = ("dimpo", p.dimpo) if main else (f"dimpo.ablations.{fit.study}", p.dimpo["ablations"][fit.study])
+            per = (hp.get("per_objective") or {}).get(fit.objective) or {}
+            layers = [("dimpo.hparams", base), (f"dimpo.hparams.per_objective.{fit.objective}", per),
+                      (f"{prefix}.settings[{fit.order}]", study["settings"][fit.order])]  # fmt: skip
+            values, source = {}, None
+            for key, layer in layers:
+                if layer.get("k") is not None and layer.get("k_share") is not None:
+                    raise ConfigError(f"{key}.k_share", f"set k ({layer['k']}) or k_share ({layer['k_share']}), not both")
+                for name in ("k", "k_share"):
+                    if layer.get(name) is not None:
+                        values |= {"k": None, "k_share": None, name: layer[name]}
+                        source = f"{key}.{name}"
+                values |= {name: layer[name] for name in ("lam", "num_sampled_keys") if name in layer}
+            if source is None or values.get("lam", 1) == 0:
+                continue
+            n_keys = key_list_length(seq_len, values.get("num_sampled_keys"))
+            k = resolve_top_k(values["k"], values["k_share"], n_keys)
+            if k >= n_keys:
+                raise ConfigError(source, f"k={k} reaches the {n_keys} keys of {model!r}'s lists (capture seq_len "
+                                          f"{seq_len}): DimPO's head term would keep every key, KL plus a constant; "
+                                          "choose k < the keys, or k_share (the paper's 64 of 4,096: 0.015625)")
 
 
 def _check_unsafe_tasks(p: Plan) -> None:

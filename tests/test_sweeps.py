@@ -116,6 +116,8 @@ def hf_dataset(splits):
 
 THREE = {"train": {"split": "train"}, "validation": {"split": "validation"}, "test": {"split": "test"}}
 
+TABLE6 = {"objectives": ["dimpo"], "d_prime": [4]}
+
 BAD = {
     # a Hugging Face corpus's split ranges, as dimattn.data reads them
     "hf splits overlap": (hf_dataset(THREE | {"test": {"split": "train", "start": 100, "stop": 200}}),
@@ -259,6 +261,19 @@ BAD = {
     "downstream snapkv budget = window": (lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 32,
                                                                                               "window": 32}}]),
                                           "dimpo.downstream.kv[0].snapkv.budget"),
+    # DimPO's head over every key of the list is KL plus a constant (tiny-vanilla: 256 keys)
+    "table6 k = every key": (lambda c: c["dimpo"]["ablations"].update(table6=TABLE6 | {"settings": [{"k": 256, "lam": 1}]}),
+                             "dimpo.ablations.table6.settings[0].k: k=256 reaches the 256 keys of 'tiny-vanilla'"),
+    "k_share rounding to every key": (
+        lambda c: c["dimpo"]["hparams"]["per_objective"]["dimpo"].update(k_share=0.999),
+        "dimpo.hparams.per_objective.dimpo.k_share: k=256 reaches the 256 keys"),
+    "k of a recall capture": (
+        lambda c: (c["dimpo"]["models"].append(RECALL_MODEL),
+                   c["dimpo"]["ablations"].update(table6=TABLE6 | {"settings": [{"k": 64, "lam": 1}]})),
+        "dimpo.ablations.table6.settings[0].k: k=64 reaches the 64 keys of 'recall-vanilla'"),
+    "k and k_share at once": (lambda c: c["dimpo"]["ablations"].update(
+        table6=TABLE6 | {"settings": [{"k": 4, "k_share": 0.25}]}), "dimpo.ablations.table6.settings[0].k_share"),
+    "k_share of 1": (lambda c: c["dimpo"]["hparams"].update(k_share=1), "k_share"),
     "downstream kv both methods": (lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 64},
                                                                 "kivi": {"bits": 2}}]), "oneOf"),
 }
@@ -271,6 +286,22 @@ def test_bad_config_is_refused_naming_the_key(case):
         plan_of(mutated(mutate))
     assert culprit in str(err.value), str(err.value)[-2000:]
     assert not isinstance(err.value, (KeyError, TypeError, AttributeError)), repr(err.value)
+
+
+def test_a_head_term_one_key_short_of_the_list_is_planned():
+    """The boundary of "table6 k = every key": k = keys - 1 is DimPO, not KL."""
+    table6 = TABLE6 | {"settings": [{"k": 255, "lam": 1}, {"k_share": 0.015625, "lam": 1}, {"k": 256, "lam": 0}]}
+    plan = plan_of(mutated(lambda c: c["dimpo"]["ablations"].update(table6=table6)))
+    assert [f.setting for f in plan.dimpo_fits if f.study == "table6"] == [
+        "k=255,lam=1", "k_share=0.015625,lam=1", "k=256,lam=0"]
+    # the objective's default needs no config k: the paper's share, 4 of tiny-vanilla's 256 keys
+    assert "k" not in DEFAULT["dimpo"]["hparams"]["per_objective"]["dimpo"]
+
+
+def test_the_planned_head_objectives_are_those_reading_k():
+    from dimattn.objectives import OBJECTIVES
+
+    assert set(sweeps.HEAD_OBJECTIVES) == {name for name, o in OBJECTIVES.items() if "k" in o.hparams}
 
 
 def test_snapkv_budget_one_past_the_window_is_planned():
