@@ -284,6 +284,20 @@ def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: st
     return result
 
 
+def evaluate_longctx(model_dir, tokens_bin, out_json, batch_size: int, device: str = "cpu", corpus: str = "longctx",
+                     max_examples: int | None = None) -> dict:  # fmt: skip
+    """The long-context suite's scores (:func:`dimattn.longctx.score_suite`) of the run at
+    model_dir on one suite corpus, as JSON."""
+    from .longctx import score_suite
+
+    model = load_model(Path(model_dir), device)
+    result = {**run_metadata(Path(model_dir)), "corpus": corpus}
+    result.update(score_suite(model, tokens_bin, batch_size, max_examples))
+    with atomic_file(Path(out_json)) as tmp:
+        tmp.write_text(json.dumps(result, indent=2))
+    return result
+
+
 def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
                 device: str = "cpu", dtype: str = "float32", allow_unsafe_code: bool = False,
                 partial_dir: Path | None = None, exclude_shorter_than_window: bool = False) -> dict:  # fmt: skip

@@ -74,6 +74,14 @@ ASSIGN_ID, DOC_ID, TASK_START = 5, 6, 7
 NEEDLE = 3  # tokens of a needle, an assignment or a fact: "x = y"
 
 
+class SettingError(DataError):
+    """A setting no model could answer, or of the wrong type; ``setting`` names it."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(message)
+        self.setting = setting.split(" ")[0]  # "n_keys + n_values + n_words": the first
+
+
 @dataclass(frozen=True)
 class LongContextSettings:
     """Generator settings; every field is checked, and an error names the field."""
@@ -110,8 +118,8 @@ class LongContextSettings:
                 continue
             kind = {"answer_loss": bool, "fwe_alpha": (int, float), "needle_depth": (int, float)}.get(f.name, int)
             if type(value) is bool and kind is not bool or not isinstance(value, kind):
-                raise DataError(f"long-context setting {f.name} must be {getattr(kind, '__name__', 'a number')}, "
-                                f"got {value!r}")  # fmt: skip
+                raise SettingError(f.name, f"long-context setting {f.name} must be "
+                                           f"{getattr(kind, '__name__', 'a number')}, got {value!r}")  # fmt: skip
         if isinstance(self.subtasks, list):
             object.__setattr__(self, "subtasks", tuple(self.subtasks))
         unknown = [t for t in self.subtasks if t not in SUBTASKS]
@@ -157,7 +165,7 @@ class LongContextSettings:
 
     def _check(self, name, ok, need):
         if not ok:
-            raise DataError(f"long-context setting {name} must be {need}; settings: {self.describe()}")
+            raise SettingError(name, f"long-context setting {name} must be {need}; settings: {self.describe()}")
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
@@ -249,6 +257,18 @@ class LongContextSettings:
             "ruler_tasks": {task: RULER_TASK[task] for task in self.subtasks},
             "metric": {task: "string_match_part" if task in PART_SCORED else "string_match_all" for task in self.subtasks},
         }
+
+
+def check_datasets(plan) -> None:
+    """Every suite corpus of a plan (dimattn.sweeps.Plan) as its generator would refuse it, at
+    planning: a dimattn.sweeps.ConfigError naming ``datasets.<name>.<setting>``."""
+    from .sweeps import ConfigError
+
+    for name in plan.longctx_datasets:
+        try:
+            LongContextSettings.from_spec(plan.config["datasets"][name])
+        except SettingError as err:
+            raise ConfigError(f"datasets.{name}.{err.setting}", str(err)) from None
 
 
 def vocabulary(settings: LongContextSettings) -> dict[str, int]:

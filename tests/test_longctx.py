@@ -175,6 +175,21 @@ def test_greedy_generation_through_the_cache_is_naive_greedy(tmp_path):
     assert set(result["subtasks"]) == set(s.subtasks) and result["seq_len"] == 48
     assert all(v["n"] == 16 // 3 + (i < 16 % 3) for i, v in enumerate(result["subtasks"].values()))
 
+    # the workflow's steps: the JSON of a saved run, then the tidy summary
+    from dimattn.evaluation import evaluate_longctx
+    from dimattn.reporting.summaries import summarize_longctx
+
+    model.config.register_for_auto_class()
+    model.register_for_auto_class("AutoModelForCausalLM")
+    model.save_pretrained(tmp_path / "long-vanilla")
+    record = evaluate_longctx(tmp_path / "long-vanilla", tmp_path / "suite/tokens/test.bin", tmp_path / "s.json", 8,
+                              corpus="suite")  # fmt: skip
+    assert record["subtasks"] == result["subtasks"] and record["run"] == "long-vanilla" and record["corpus"] == "suite"
+    df = summarize_longctx([tmp_path / "s.json"], tmp_path / "longctx.csv")
+    assert list(df["subtask"]) == [*s.subtasks, "average"] and (df["seq_len"] == 48).all()
+    assert df.set_index("subtask").loc["average", "score"] == pytest.approx(result["average"])
+    assert df.set_index("subtask").loc["average", "n"] == 16
+
 
 def test_the_scorer_is_lm_evals_string_match_on_hand_made_predictions():
     names = list(vocabulary(LongContextSettings()))  # names of two digits
@@ -193,3 +208,23 @@ def test_the_scorer_is_lm_evals_string_match_on_hand_made_predictions():
     assert result["niah_single"] == {"score": 50.0, "exact": 50.0, "n": 2}
     assert result["cwe"] == {"score": 100.0, "exact": 0.0, "n": 1}  # any order: lm-eval's substring match
     assert score_predictions(tasks, predictions, gold, names)["average"] == pytest.approx((87.5 + 50 + 100 + 50) / 4)
+
+
+def test_an_unanswerable_corpus_is_refused_at_planning_naming_its_key():
+    import copy
+
+    import yaml
+
+    from dimattn import sweeps
+    from dimattn.longctx import check_datasets
+
+    config = yaml.safe_load(open(sweeps.SCHEMA.parents[1] / "config.yaml"))
+    config["datasets"]["suite"] = {"source": "synthetic_longctx", "seq_len": 64, "needle_depth": 1.5}
+    with pytest.raises(sweeps.ConfigError, match=r"config key datasets\.suite\.needle_depth: long-context setting"):
+        check_datasets(sweeps.plan(sweeps.validate(config)))
+    fine = copy.deepcopy(config)
+    fine["datasets"]["suite"]["needle_depth"] = 1.0  # the end of the context: answerable
+    check_datasets(sweeps.plan(sweeps.validate(fine)))
+    config["datasets"]["suite"] |= {"needle_depth": None, "n_keys": 3}  # 4 distinct multi-key needles
+    with pytest.raises(sweeps.ConfigError, match=r"datasets\.suite\.n_keys"):
+        check_datasets(sweeps.plan(sweeps.validate(config)))
