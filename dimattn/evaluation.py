@@ -285,6 +285,18 @@ def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: st
     return result
 
 
+def evaluate_longctx(model_dir, tokens_bin, out_json, batch_size: int, device: str = "cpu", corpus: str = "longctx",
+                     max_examples: int | None = None) -> dict:  # fmt: skip
+    """The long-context suite's scores (:func:`dimattn.longctx.score_suite`) of the run at
+    model_dir on one suite corpus, as JSON."""
+    from .longctx import score_suite
+
+    model = load_model(Path(model_dir), device)
+    result = {**run_metadata(Path(model_dir)), "corpus": corpus}
+    result.update(score_suite(model, tokens_bin, batch_size, max_examples))
+    write_json(result, out_json)
+    return result
+
 
 @contextlib.contextmanager
 def _without_env_info():

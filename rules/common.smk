@@ -27,6 +27,10 @@ try:
     # sweeps.validate: the schema's defaults, in a copy where no two sections share one default
     # object; then every run and cross-reference, each error naming its config key.
     PLAN = sweeps.plan(sweeps.validate(config))
+    if PLAN.longctx_datasets:  # the suite generator's refusals (numpy, so not in torch-free sweeps)
+        from dimattn.longctx import check_datasets
+
+        check_datasets(PLAN)
 except sweeps.ConfigError as e:
     raise WorkflowError(str(e)) from None
 RUNS = PLAN.runs
@@ -254,7 +258,7 @@ def lm_eval_params():
 
 
 def model_dirs():
-    return [paths.model(run) for run in RUNS]
+    return [paths.model(run) for run in PLAN.reported_runs]
 
 
 def perplexity_files():
@@ -267,6 +271,15 @@ def perplexity_files():
 
 def recall_files():
     return [paths.recall(run, RUNS[run].dataset) for run in PLAN.recall_runs]
+
+
+def longctx_files():
+    return [paths.longctx(run, dataset) for run in PLAN.longctx_runs for dataset in PLAN.longctx_targets(run)]
+
+
+def longctx_summary():
+    """The suite's summary, where a run is trained on it (not yet a table of dimattn.reporting)."""
+    return [paths.summary("longctx")] if PLAN.longctx_runs else []
 
 
 def lm_eval_files():

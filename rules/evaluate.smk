@@ -91,6 +91,34 @@ rule recall:
         "../workflow_scripts/recall.py"
 
 
+# The long-context suite (dimattn.longctx), on the run's own corpus and evaluation.longctx.datasets.
+rule longctx:
+    input:
+        model=paths.model("{run}"),
+        tokens=paths.tokens("{dataset}", "test"),
+    output:
+        paths.longctx("{run}", "{dataset}"),
+    log:
+        paths.log("evaluate", "longctx_{run}_{dataset}"),
+    benchmark:
+        paths.bench("longctx", "longctx_{run}_{dataset}")
+    wildcard_constraints:
+        dataset=one_of(PLAN.longctx_datasets),
+    conda:
+        "../envs/lm_eval.yaml"  # lm-eval's RULER string match
+    threads: 1
+    resources:
+        runtime=scaled(30, "runtime"),
+        mem_mb=scaled(4000, "mem_mb"),
+        gpu=gpu_count(),
+    params:
+        batch_size=PLAN.config["evaluation"]["longctx"]["batch_size"],
+        device=PLAN.config["device"],
+        corpus=lambda wc: wc.dataset,
+    script:
+        "../workflow_scripts/recall.py"
+
+
 # The data of the workflow's own lm-eval tasks (YAMLs in dimattn/lm_eval_tasks).
 rule write_lm_eval_data:
     input:

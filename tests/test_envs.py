@@ -56,6 +56,8 @@ LAZY = {
     # score_text but has params.lm_eval=None, so it never calls run_lm_eval; recall reaches
     # dimattn.evaluation for evaluate_recall alone.
     ("dimattn.evaluation", "lm-eval"): {"perplexity", "recall"},
+    # the suite's generator (rule generate_recall) never scores: example_score imports lm-eval.
+    ("dimattn.longctx", "lm-eval"): {"generate_recall"},
 }
 
 

@@ -35,6 +35,8 @@ COLUMNS = {
 }
 # Seed 003, Section 4: every model it projects has head dimension d = 128.
 DIMPO_HEAD_DIM = 128
+# Seed 003, 3.3: the key lists of its fits, the first 4,096 tokens of a chapter (k = 64 of them).
+DIMPO_KEYS = 4096
 # Seed 003 Table 1 row order; objectives we do not run still appear as paper-only rows.
 OBJECTIVE_ORDER = ["random", "pca", "triplet", "cpo", "simpo", "orpo", "dimpo_list", "dimpo", "dimpo_kl", "kl"]
 # Each objective as the tables and figures name it.
