@@ -25,6 +25,7 @@ from dimattn.projections import (
     initial_projection,
     load_capture,
     objective_loss,
+    pca_data,
     resolve_settings,
     save_capture,
 )
@@ -329,6 +330,18 @@ def test_fitting_reduces_own_loss(capture, objective, init):
     held_out = build_instances(capture[0], st, torch.Generator().manual_seed(99))
     start = initial_projection(capture[0], 4, st, torch.Generator().manual_seed(1))
     assert objective_loss(held_out, objective, proj, hp) < objective_loss(held_out, objective, start, hp)
+
+
+def test_pca_pools_the_keys_a_layer_scores():
+    """pca_data on a layer with far keys: a DAR layer (window > 0) scores near and far keys, so
+    both are pooled; a uniform layer (window 0) scores far keys only, so its near ones are not."""
+    g = torch.Generator().manual_seed(0)
+    q, k, far = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
+    settings = resolve_settings("pca", {"pca_fit": "all"})
+    for window, scored in ((1, torch.cat([k, far], dim=2)), (0, far)):
+        queries, keys = pca_data({"q": q, "k": k, "k_far": far, "window": window}, settings)
+        torch.testing.assert_close(keys, scored)
+        torch.testing.assert_close(queries, q[:, :, :: settings.query_stride or 2])
 
 
 def test_fit_is_deterministic_and_closed_forms_follow_the_settings(capture):

@@ -214,14 +214,17 @@ BAD = {
         lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"capture": {"seq_len": 128}}),
         "dimpo.models[1].capture.seq_len: 128 is not the example length 64"),
     "recall capture beyond its split": (
-        lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"capture": {"seq_len": 64, "fit_sequences": 300}}),
-        "dimpo.models[1].capture.fit_sequences: 300 exceeds the 256 validation examples"),
+        lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"capture": {"seq_len": 64, "fit_sequences": 257}}),
+        "dimpo.models[1].capture.fit_sequences: 257 exceeds the 256 validation examples"),
+    "downstream RULER one below its minimum length": (
+        lambda c: downstream(c, tasks=[{"name": "ruler_vt"}], metadata={"max_seq_lengths": [sweeps.RULER_MIN_LENGTH - 1]}),
+        "dimpo.downstream.metadata.max_seq_lengths: RULER tasks (ruler_vt, ...) need lengths of at least 2048"),
     "downstream objective not fitted for a model": (
         lambda c: (downstream(c, objectives=["kl"], num_projected=[1]),
                    c["dimpo"]["models"].append(RECALL_MODEL | {"objectives": ["pca"]})),
         "dimpo.downstream.objectives: 'kl' is not fitted for 'recall-vanilla' (dimpo.models[1].objectives"),
-    "a model's d_prime > its head_dim": (lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"d_prime": [64]}),
-                                         "dimpo.models[1].d_prime: 64 exceeds the head dimension 32"),
+    "a model's d_prime > its head_dim": (lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"d_prime": [33]}),
+                                         "dimpo.models[1].d_prime: 33 exceeds the head dimension 32"),
     "hub model l > its layers": (
         lambda c: (downstream(c), c["dimpo"]["models"].append(
             {"name": "llama", "hub": "meta-llama/Llama-3.2-3B-Instruct", "num_hidden_layers": 28,
@@ -356,6 +359,21 @@ def test_snapkv_budget_one_past_the_window_is_planned():
     """The other side of the boundary: budget = window + 1 keeps one token besides the window."""
     config = mutated(lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 33, "window": 32}}]))
     plan_of(config)  # raises on a refused config
+
+
+# The other side of BAD's boundaries: the largest value each check lets through.
+AT_THE_LIMIT = {
+    "d' = the head dimension": lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"d_prime": [4, 32]}),
+    "RULER at its minimum length": lambda c: downstream(c, tasks=[{"name": "ruler_vt"}],
+                                                        metadata={"max_seq_lengths": [sweeps.RULER_MIN_LENGTH]}),
+    "recall capture of its whole split": lambda c: c["dimpo"]["models"].append(
+        RECALL_MODEL | {"capture": {"seq_len": 64, "fit_sequences": 256}}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(AT_THE_LIMIT))
+def test_a_config_at_the_limit_is_planned(case):
+    plan_of(mutated(AT_THE_LIMIT[case]))  # raises on a refused config
 
 
 def test_seeds_expand_into_replicates():
