@@ -27,7 +27,8 @@ try:
     # sweeps.validate: the schema's defaults, in a copy where no two sections share one default
     # object; then every run and cross-reference, each error naming its config key.
     PLAN = sweeps.plan(sweeps.validate(config))
-    if PLAN.longctx_datasets:  # the suite generator's refusals (numpy, so not in torch-free sweeps)
+    # the suite generator's refusals (numpy, so not in the torch-free sweeps)
+    if PLAN.longctx_datasets:
         from dimattn.longctx import check_datasets
 
         check_datasets(PLAN)
@@ -274,7 +275,11 @@ def recall_files():
 
 
 def longctx_files():
-    return [paths.longctx(run, dataset) for run in PLAN.longctx_runs for dataset in PLAN.longctx_targets(run)]
+    return [
+        paths.longctx(run, dataset)
+        for run in PLAN.longctx_runs
+        for dataset in PLAN.longctx_targets(run)
+    ]
 
 
 def longctx_summary():

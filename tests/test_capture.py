@@ -36,17 +36,25 @@ MEASURE = textwrap.dedent(
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=t)
     model = LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 256, (n, t))
-    model(input_ids=ids[:1], use_cache=False)  # the working set of one forward pass
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap goes back, so that "before" is what is live
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-    before = status("VmRSS")
+
+    def reset():
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap goes back, so that RSS is what is live
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return status("VmRSS")
+
+    with torch.no_grad():  # as capture_qkv runs
+        model(input_ids=ids[:1], use_cache=False)  # warm-up: kernels' one-time buffers
+        start = reset()
+        model(input_ids=ids[:1], use_cache=False)  # the working set of one forward pass (CPU-kernel
+        forward = status("VmHWM") - start  # dependent: oneDNN's scratch differs between CPUs)
+    before = reset()
     capture = capture_qkv(model, ids, batch_size=1)
     captured = sum(x.numel() * x.element_size() for parts in capture.values() for x in parts.values())
     capture_peak = status("VmHWM")
     save_capture(capture, out, {"model": "llama"})
-    print(json.dumps(dict(before=before, captured=captured, model=model_bytes, capture_peak=capture_peak,
+    print(json.dumps(dict(before=before, captured=captured, model=model_bytes, forward=forward, capture_peak=capture_peak,
                           held=status("VmRSS"), peak=status("VmHWM"))))
     """
 )
@@ -62,11 +70,13 @@ def test_capture_peaks_at_about_one_copy_of_the_captured_tensors(tmp_path):
     m = measure(tmp_path)
     # 8 layers x 16 sequences x 512 positions x (8 + 2 + 2 heads) x 32 dims x 4 bytes = 96 MiB.
     assert m["captured"] == 8 * 16 * 512 * 12 * 32 * 4
-    growth = m["peak"] - m["before"]  # the model and one forward pass are in "before"
-    print(f"captured {m['captured'] / 2**20:.1f} MiB, model {m['model'] / 2**20:.1f} MiB, peak growth "
-          f"{growth / 2**20:.1f} MiB ({growth / m['captured']:.2f}x; capture alone "
-          f"{(m['capture_peak'] - m['before']) / m['captured']:.2f}x)")  # fmt: skip
-    assert growth <= 1.2 * m["captured"], m
+    growth = m["peak"] - m["before"]  # the model is in "before"
+    print(f"captured {m['captured'] / 2**20:.1f} MiB, model {m['model'] / 2**20:.1f} MiB, one forward "
+          f"{m['forward'] / 2**20:.1f} MiB, peak growth {growth / 2**20:.1f} MiB "
+          f"({growth / m['captured']:.2f}x; capture alone {(m['capture_peak'] - m['before']) / m['captured']:.2f}x)")  # fmt: skip
+    # One copy of the captured tensors, beside one forward pass's working set (the capture's
+    # forwards run while the copy fills), and 5 % slack: holding lists and concatenating (2.55x) fails.
+    assert growth <= 1.05 * m["captured"] + m["forward"], m
 
 
 def gqa_llama(t=24):
