@@ -109,14 +109,15 @@ def test_examples_cycle_through_the_subtasks_and_depth_places_the_needle():
         assert found == {i: pytest.approx(round(depth * (c - 3)) / (c - 3)) for i in range(5)}
 
 
-def test_the_needle_map_bins_niah_single_by_depth():
+def test_the_needle_map_bins_the_asked_needle_by_depth():
     s = LongContextSettings(**SMALL, seq_len=96)
     x = generate_examples(s, 80, np.random.default_rng(2))
     depths = needle_depths(x, find_answers(x, s.layout()), s.layout())
-    assert sorted(depths) == list(range(0, 80, len(SUBTASKS)))  # niah_single's rows only
-    c = s.context_len("niah_single")
-    for i, depth in depths.items():  # the asked key sits at that depth, followed by "="
-        assert x[i, 1 + round(depth * (c - 3))] == x[i, -4] and x[i, 2 + round(depth * (c - 3))] == 5
+    assert sorted(depths) == sorted([*range(0, 80, len(SUBTASKS)), *range(1, 80, len(SUBTASKS))])  # the two tasks
+    for i, depth in depths.items():  # the asked key sits at that depth, followed by "=" and the answer
+        c = s.context_len(SUBTASKS[i % len(SUBTASKS)])
+        at = 1 + round(depth * (c - 3))
+        assert x[i, at] == x[i, -4] and x[i, at + 1] == 5 and x[i, at + 2] == x[i, -2]
     rows = needle_scores({0: 0.0, 1: 0.1, 2: 0.5, 3: 1.0, 4: 0.99}, {0: 1.0, 1: 0.0, 2: 1.0, 3: 1.0, 4: 0.0}, bins=4)
     assert rows == [{"depth_lo": 0.0, "depth_hi": 0.25, "score": 50.0, "n": 2},
                     {"depth_lo": 0.5, "depth_hi": 0.75, "score": 100.0, "n": 1},

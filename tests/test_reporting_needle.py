@@ -16,8 +16,9 @@ SCORES = {("long-vanilla", 128): [100.0, 80.0], ("long-vanilla", 256): [60.0, 40
 def _record(run, seq_len):
     model = {"attention": "vanilla", "hidden_size": 64} if run == "long-vanilla" else \
         {"attention": "dar", "hidden_size": 64, "d_down": 16, "window": 8}  # fmt: skip
-    needle = [{"depth_lo": lo, "depth_hi": hi, "score": s, "n": 6 + i}
-              for i, ((lo, hi), s) in enumerate(zip(BINS, SCORES[run, seq_len]))]  # fmt: skip
+    bins = [{"depth_lo": lo, "depth_hi": hi, "score": s, "n": 6 + i}
+            for i, ((lo, hi), s) in enumerate(zip(BINS, SCORES[run, seq_len]))]  # fmt: skip
+    needle = {"niah_single": [b | {"score": 100.0} for b in bins], "niah_multikey": bins}
     return {"run": run, **model, "seed": 0, "corpus": f"suite{seq_len}", "split": "test", "seq_len": seq_len,
             "subtasks": {"niah_single": {"score": 0.0, "exact": 0.0, "n": 13}}, "average": 0.0, "needle": needle}
 
@@ -40,18 +41,24 @@ def drawn(tmp_path, monkeypatch):
 
 def test_the_summary_has_a_row_per_run_length_and_bin(drawn):
     df, _ = drawn
-    assert len(df) == 8 and list(df["run"][:4]) == ["long-vanilla"] * 2 + ["long-dar-w8-d16"] * 2  # vanilla first
-    assert list(df["depth_lo"][:2]) == [0.0, 0.5] and list(df["corpus"]) == ["suite128"] * 4 + ["suite256"] * 4
-    row = df[(df["run"] == "long-dar-w8-d16") & (df["seq_len"] == 128) & (df["depth_lo"] == 0.5)].iloc[0]
+    assert len(df) == 16 and list(df["run"][:8]) == ["long-vanilla"] * 4 + ["long-dar-w8-d16"] * 4  # vanilla first
+    assert list(df["subtask"][:4]) == ["niah_multikey"] * 2 + ["niah_single"] * 2
+    assert list(df["depth_lo"][:2]) == [0.0, 0.5] and list(df["corpus"]) == ["suite128"] * 8 + ["suite256"] * 8
+    multikey = df[df["subtask"] == "niah_multikey"]
+    row = multikey[(multikey["run"] == "long-dar-w8-d16") & (multikey["seq_len"] == 128) & (multikey["depth_lo"] == 0.5)].iloc[0]
     assert (row["score"], row["n"], row["depth_hi"]) == (10.0, 7, 1.0)
 
 
-def test_a_panel_per_run_base_first_cells_are_the_bins_scores(drawn):
+def test_a_panel_per_run_and_subtask_base_first_cells_are_the_bins_scores(drawn):
     _, fig = drawn
     panels = [ax for ax in fig.axes if ax.get_title()]
-    assert [ax.get_title().split("\n")[0] for ax in panels] == ["long-vanilla", "long-dar-w8-d16"]
-    for ax in panels:
-        run = ax.get_title().split("\n")[0]
+    titles = [ax.get_title().split("\n")[0] for ax in panels]
+    assert titles == [f"{run}: {task}" for task in ("niah_multikey", "niah_single") for run in ("long-vanilla", "long-dar-w8-d16")]
+    for ax in panels[2:]:  # niah_single: every cell the fixture's 100
+        (mesh,) = [c for c in ax.collections if isinstance(c, QuadMesh)]
+        assert mesh.get_array().tolist() == [[100.0, 100.0], [100.0, 100.0]]
+    for ax in panels[:2]:
+        run = ax.get_title().split(":")[0]
         assert ax.get_xlabel() == "context length (tokens)" and ax.get_ylabel().startswith("needle depth")
         assert [t.get_text() for t in ax.get_xticklabels()] == ["128", "256"]
         assert [t.get_text() for t in ax.get_yticklabels()] == ["0-50%", "50-100%"]  # shallow first

@@ -1,6 +1,8 @@
 """The needle heat map of the long-context suite (``longctx_needle.png``, issue 18 item 4):
-niah_single's score by needle depth (rows) and context length (columns), one panel per model,
-the base model first; what long-context users look at first.
+the score by the asked needle's depth (rows) and context length (columns), one panel per model
+(columns of panels, the base model first) and subtask (rows of panels: niah_single, whose
+needle holds the context's only value, and niah_multikey, whose asked needle sits among
+distractors); what long-context users look at first.
 
 It reads the tidy ``longctx_needle`` summary (dimattn.reporting.summaries.summarize_longctx_needle)
 alone. A panel is a value of ``panel`` (the run by default; a projected model's objective once
@@ -35,22 +37,25 @@ def needle_grid(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def figure(needle: pd.DataFrame, path: Path, panel: str = "run") -> Path:
-    """The heat map: a panel per value of ``panel``, depth against context length."""
+    """The heat map: a panel per value of ``panel`` (columns) and subtask (rows), depth against
+    context length."""
     if needle.empty:
         raise ValueError("the needle heat map needs the longctx_needle summary's rows; it is empty")
-    names = _base_first(needle, panel)
-    ncols, nrows = plots.panel_grid(len(names))
     import seaborn as sns
 
-    with plots.figure(path, (3.2 + 2.6 * ncols, 3.6 * nrows)) as fig:
-        axes = fig.subplots(nrows, ncols, squeeze=False)
-        for ax, name in zip(axes.flat, names):
-            rows = needle[needle[panel] == name]
-            sns.heatmap(needle_grid(rows), ax=ax, vmin=0, vmax=100, cmap="viridis", annot=True, fmt=".0f",
-                        cbar=ax is axes.flat[len(names) - 1], cbar_kws={"label": "niah_single score (%)"})  # fmt: skip
-            ax.set_title(f"{name}\n(>= {int(rows['n'].min())} examples a cell)", fontsize="small")
-            ax.set_xlabel("context length (tokens)")
-            ax.set_ylabel("needle depth (share of the context)")
-        plots.hide_unused(axes, len(names))
+    names, tasks = _base_first(needle, panel), list(dict.fromkeys(needle["subtask"]))
+    with plots.figure(path, (3.2 + 3.0 * len(names), 3.6 * len(tasks))) as fig:
+        axes = fig.subplots(len(tasks), len(names), squeeze=False)
+        for r, task in enumerate(tasks):
+            for c, name in enumerate(names):
+                ax, rows = axes[r, c], needle[(needle[panel] == name) & (needle["subtask"] == task)]
+                if rows.empty:
+                    ax.set_visible(False)
+                    continue
+                sns.heatmap(needle_grid(rows), ax=ax, vmin=0, vmax=100, cmap="viridis", annot=True, fmt=".0f",
+                            cbar=c == len(names) - 1, cbar_kws={"label": "score (%)"})  # fmt: skip
+                ax.set_title(f"{name}: {task}\n(>= {int(rows['n'].min())} examples a cell)", fontsize="small")
+                ax.set_xlabel("context length (tokens)")
+                ax.set_ylabel("needle depth (share of the context)")
         fig.suptitle("Needle in a haystack: score by needle depth and context length")
     return Path(path)

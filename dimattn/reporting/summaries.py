@@ -51,8 +51,8 @@ COLUMNS = {
     + ["corpus", "split", "scope", "bin", "min_distance", "max_distance", "accuracy", "n", "chance"],
     # dimattn.longctx.score_suite: a row per subtask and one "average" (RULER's), scores in %
     "longctx": RUN_FIELDS + ["corpus", "split", "seq_len", "subtask", "score", "exact", "n"],
-    # the needle heat map: niah_single by needle-depth bin (dimattn.longctx.needle_scores)
-    "longctx_needle": RUN_FIELDS + ["corpus", "split", "seq_len", "depth_lo", "depth_hi", "score", "n"],
+    # the needle heat map: niah_single, niah_multikey by needle-depth bin (dimattn.longctx.needle_scores)
+    "longctx_needle": RUN_FIELDS + ["corpus", "split", "seq_len", "subtask", "depth_lo", "depth_hi", "score", "n"],
     # study: Table 1's (MAIN_STUDY: Figures 2-3, Tables 2-5) or one of dimpo.downstream.studies
     # (table6: Table 6's RULER column); a model scored for two has rows in both.
     "dimpo_downstream": ["study"] + DOWNSTREAM_FIELDS + ["task", "metric", "value", "stderr"],
@@ -416,16 +416,17 @@ def summarize_longctx(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike |
 
 
 def summarize_longctx_needle(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
-    """The needle heat map's data: per (run, corpus) a row per needle-depth bin
-    [depth_lo, depth_hi) of niah_single (dimattn.longctx.needle_scores: score in %, n examples)."""
+    """The needle heat map's data: per (run, corpus) a row per subtask (niah_single,
+    niah_multikey) and needle-depth bin [depth_lo, depth_hi) (dimattn.longctx.needle_scores:
+    score in %, n examples)."""
     rows = []
     for fields, record in _longctx_records(jsons):
         if "needle" not in record:
             raise ValueError(f"run {fields['run']!r} on {fields['corpus']!r}: no needle-depth scores (scored "
                              "without niah_single, or by an older dimattn.longctx)")  # fmt: skip
-        rows += [fields | row for row in record["needle"]]
+        rows += [fields | {"subtask": task} | row for task, bins in record["needle"].items() for row in bins]
     df = _sort_runs(_as_int(pd.DataFrame(rows, columns=COLUMNS["longctx_needle"])), ["corpus", "split"],
-                    tail=["depth_lo"])[COLUMNS["longctx_needle"]]  # fmt: skip
+                    tail=["subtask", "depth_lo"])[COLUMNS["longctx_needle"]]  # fmt: skip
     _write_csv(df, out_csv)
     return df
 
