@@ -23,7 +23,11 @@ what the question and the answer leave, so a subtask's prompt length is fixed at
 seq_len and a batch needs no padding. Examples cycle through the subtasks (example i is subtask
 i mod S). With ``answer_loss`` the corpus writes the answers' target mask, as dimattn.recall
 does. Needles sit at uniform random places (niah_single at ``needle_depth`` of the context
-when it is set: the needle heat map).
+when it is set), and :func:`score_suite` scores niah_single and niah_multikey by the asked
+needle's depth as well (the needle heat map: depth against context length). niah_single's
+needle holds the context's only value, so copying any value answers it (as RULER's one number
+in a haystack of sentences); niah_multikey's asked needle sits among distractor needles, so
+it needs the key matched: that row of the heat map is the informative one.
 
 Vocabulary (token ids)::
 
@@ -475,9 +479,43 @@ def generate_answers(model, examples: np.ndarray, answers: list[tuple[str, int]]
     return out
 
 
+NEEDLE_BINS = 5  # needle-depth bins of the heat map: 0-20 % of the context, ... 80-100 %
+
+
+NEEDLE_TASKS = ("niah_single", "niah_multikey")  # one asked needle; multikey's among distractor needles
+
+
+def needle_depths(examples: np.ndarray, answers: list[tuple[str, int]], layout: dict) -> dict[int, float]:
+    """The asked needle's depth per example of NEEDLE_TASKS (row -> its start as a share of the
+    places a needle could start, 0 .. 1, as ``needle_depth`` places it): the asked key, which
+    only its needle holds in the context."""
+    out = {}
+    for i, (task, prompt) in enumerate(answers):
+        if task not in NEEDLE_TASKS:
+            continue
+        key = examples[i, prompt - 2]  # the question: task token, key, <|query|>
+        context = examples[i, 1 : prompt - 1 - layout["question_lengths"][task]]
+        out[i] = float(np.flatnonzero(context == key)[0] / (len(context) - NEEDLE))
+    return out
+
+
+def needle_scores(depths: dict[int, float], scores: dict[int, float], bins: int = NEEDLE_BINS) -> list[dict]:
+    """The heat map's row of one corpus: per depth bin [lo, hi) (the last bin closed), the mean
+    example score in % and the examples in it (bins without examples left out)."""
+    rows = []
+    for b in range(bins):
+        lo, hi = b / bins, (b + 1) / bins
+        inside = [scores[i] for i, d in depths.items() if lo <= d < hi or b == bins - 1 and d == 1.0]
+        if inside:
+            rows.append({"depth_lo": lo, "depth_hi": hi, "score": float(100 * np.mean(inside)), "n": len(inside)})
+    return rows
+
+
 def score_suite(model, tokens_bin, batch_size: int, max_examples: int | None = None) -> dict:
     """The suite's scores (:func:`score_predictions`) of a loaded model on a split, by greedy
-    generation through the KV cache (:func:`generate_answers`)."""
+    generation through the KV cache (:func:`generate_answers`); ``needle``: per subtask of
+    NEEDLE_TASKS its score by the asked needle's depth (:func:`needle_scores`, the needle heat
+    map's column at this length)."""
     if type(batch_size) is not int or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     tokens, meta = load_tokens(tokens_bin)
@@ -495,7 +533,12 @@ def score_suite(model, tokens_bin, batch_size: int, max_examples: int | None = N
     names = list(vocabulary(LongContextSettings(**_settings_fields(meta["settings"]))))
     gold = [examples[i, prompt : length - 1].tolist() for i, (_, prompt) in enumerate(answers)]
     result = score_predictions([t for t, _ in answers], predictions, gold, names)
-    return {"split": meta.get("split", "test"), "seq_len": length, **result}
+    depths = needle_depths(examples, answers, layout)
+    scores = {i: example_score(answers[i][0], " ".join(names[t] for t in predictions[i]), [names[t] for t in gold[i]])
+              for i in depths}  # fmt: skip
+    needle = {task: needle_scores({i: d for i, d in depths.items() if answers[i][0] == task}, scores)
+              for task in NEEDLE_TASKS if task in layout["subtasks"]}  # fmt: skip
+    return {"split": meta.get("split", "test"), "seq_len": length, **result, "needle": needle}
 
 
 def _settings_fields(stored: dict) -> dict:

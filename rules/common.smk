@@ -283,8 +283,11 @@ def longctx_files():
 
 
 def longctx_summary():
-    """The suite's summary, where a run is trained on it (not yet a table of dimattn.reporting)."""
-    return [paths.summary("longctx")] if PLAN.longctx_runs else []
+    """The suite's summaries and its needle heat map, where a run is trained on it (not yet a
+    table of dimattn.reporting.outputs)."""
+    if not PLAN.longctx_runs:
+        return []
+    return [paths.summary("longctx"), paths.summary("longctx_needle"), paths.figure("longctx_needle")]
 
 
 def lm_eval_files():

@@ -96,6 +96,46 @@ rule summarize_longctx:
         "../workflow_scripts/summarize.py"
 
 
+# The needle heat map's data: niah_single per run, suite corpus and needle-depth bin.
+rule summarize_longctx_needle:
+    input:
+        longctx_files(),
+    output:
+        paths.summary("longctx_needle"),
+    log:
+        paths.log("report", "summarize_longctx_needle"),
+    benchmark:
+        paths.bench("summarize_longctx_needle", "summarize_longctx_needle")
+    conda:
+        "../envs/report.yaml"
+    threads: 1
+    resources:
+        runtime=scaled(5, "runtime"),
+        mem_mb=scaled(1000, "mem_mb"),
+    script:
+        "../workflow_scripts/summarize.py"
+
+
+# The needle heat map (dimattn.reporting.long_context): depth x context length, a panel per run.
+rule render_needle_map:
+    input:
+        paths.summary("longctx_needle"),
+    output:
+        paths.figure("longctx_needle"),
+    log:
+        paths.log("report", "render_needle_map"),
+    benchmark:
+        paths.bench("render_needle_map", "render_needle_map")
+    conda:
+        "../envs/report.yaml"
+    threads: 1
+    resources:
+        runtime=scaled(5, "runtime"),
+        mem_mb=scaled(2000, "mem_mb"),
+    script:
+        "../workflow_scripts/needle_map.py"
+
+
 # One row per recall run and distance bin, plus its overall accuracy.
 rule summarize_recall:
     input:

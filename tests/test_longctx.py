@@ -11,7 +11,7 @@ import torch
 
 from dimattn.data import DataError, load_loss_mask, load_tokens
 from dimattn.longctx import SUBTASKS, LongContextSettings, find_answers, generate_examples, score_predictions
-from dimattn.longctx import score_suite, vocabulary, write_longctx_corpus
+from dimattn.longctx import needle_depths, needle_scores, score_suite, vocabulary, write_longctx_corpus
 
 SMALL = dict(n_keys=12, n_values=12, n_words=16, n_train=16, n_validation=16, n_test=16)
 
@@ -105,6 +105,23 @@ def test_examples_cycle_through_the_subtasks_and_depth_places_the_needle():
         rows = generate_examples(d, 5, np.random.default_rng(1))
         c = d.context_len("niah_single")
         assert all(row[1 + round(depth * (c - 3)) + 1] == 5 for row in rows)  # "=" of the needle
+        found = needle_depths(rows, find_answers(rows, d.layout()), d.layout())
+        assert found == {i: pytest.approx(round(depth * (c - 3)) / (c - 3)) for i in range(5)}
+
+
+def test_the_needle_map_bins_the_asked_needle_by_depth():
+    s = LongContextSettings(**SMALL, seq_len=96)
+    x = generate_examples(s, 80, np.random.default_rng(2))
+    depths = needle_depths(x, find_answers(x, s.layout()), s.layout())
+    assert sorted(depths) == sorted([*range(0, 80, len(SUBTASKS)), *range(1, 80, len(SUBTASKS))])  # the two tasks
+    for i, depth in depths.items():  # the asked key sits at that depth, followed by "=" and the answer
+        c = s.context_len(SUBTASKS[i % len(SUBTASKS)])
+        at = 1 + round(depth * (c - 3))
+        assert x[i, at] == x[i, -4] and x[i, at + 1] == 5 and x[i, at + 2] == x[i, -2]
+    rows = needle_scores({0: 0.0, 1: 0.1, 2: 0.5, 3: 1.0, 4: 0.99}, {0: 1.0, 1: 0.0, 2: 1.0, 3: 1.0, 4: 0.0}, bins=4)
+    assert rows == [{"depth_lo": 0.0, "depth_hi": 0.25, "score": 50.0, "n": 2},
+                    {"depth_lo": 0.5, "depth_hi": 0.75, "score": 100.0, "n": 1},
+                    {"depth_lo": 0.75, "depth_hi": 1.0, "score": 50.0, "n": 2}]  # fmt: skip
 
 
 REFUSED = {

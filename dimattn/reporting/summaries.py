@@ -51,6 +51,8 @@ COLUMNS = {
     + ["corpus", "split", "scope", "bin", "min_distance", "max_distance", "accuracy", "n", "chance"],
     # dimattn.longctx.score_suite: a row per subtask and one "average" (RULER's), scores in %
     "longctx": RUN_FIELDS + ["corpus", "split", "seq_len", "subtask", "score", "exact", "n"],
+    # the needle heat map: niah_single, niah_multikey by needle-depth bin (dimattn.longctx.needle_scores)
+    "longctx_needle": RUN_FIELDS + ["corpus", "split", "seq_len", "subtask", "depth_lo", "depth_hi", "score", "n"],
     # study: Table 1's (MAIN_STUDY: Figures 2-3, Tables 2-5) or one of dimpo.downstream.studies
     # (table6: Table 6's RULER column); a model scored for two has rows in both.
     "dimpo_downstream": ["study"] + DOWNSTREAM_FIELDS + ["task", "metric", "value", "stderr"],
@@ -376,11 +378,10 @@ def summarize_recall(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | 
 LONGCTX_KEYS = ("corpus", "seq_len", "subtasks", "average")
 
 
-def summarize_longctx(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
-    """Tidy long-context suite scores: per (run, corpus) a row per subtask (score: lm-eval's
-    RULER string match in %, exact: whole-answer matches in %, n: examples) and one row
-    ``subtask = average`` (the mean score over subtasks, n the examples of all)."""
-    rows, seen = [], {}
+def _longctx_records(jsons: Iterable[os.PathLike | str]) -> list[tuple[dict, dict]]:
+    """(run fields with corpus, split and seq_len; the record) of each long-context JSON, a run
+    on a corpus once."""
+    out, seen = [], {}
     for path in jsons:
         record = json.loads(Path(path).read_text())
         missing = [k for k in LONGCTX_KEYS if k not in record]
@@ -392,14 +393,40 @@ def summarize_longctx(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike |
         if key in seen:
             raise ValueError(f"run {key[0]!r} on corpus {key[1]!r} appears twice: {seen[key]} and {path}")
         seen[key] = path
+        out.append((fields, record))
+    if not out:
+        raise ValueError("summarize_longctx got no long-context JSON files")
+    return out
+
+
+def summarize_longctx(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
+    """Tidy long-context suite scores: per (run, corpus) a row per subtask (score: lm-eval's
+    RULER string match in %, exact: whole-answer matches in %, n: examples) and one row
+    ``subtask = average`` (the mean score over subtasks, n the examples of all)."""
+    rows = []
+    for fields, record in _longctx_records(jsons):
         subtasks = record["subtasks"]
         rows += [fields | {"subtask": name, "score": v["score"], "exact": v["exact"], "n": v["n"]}
                  for name, v in subtasks.items()]  # fmt: skip
         rows.append(fields | {"subtask": "average", "score": record["average"], "exact": None,
                               "n": sum(v["n"] for v in subtasks.values())})  # fmt: skip
-    if not rows:
-        raise ValueError("summarize_longctx got no long-context JSON files")
     df = _sort_runs(_as_int(pd.DataFrame(rows)), ["corpus", "split"])[COLUMNS["longctx"]]
+    _write_csv(df, out_csv)
+    return df
+
+
+def summarize_longctx_needle(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
+    """The needle heat map's data: per (run, corpus) a row per subtask (niah_single,
+    niah_multikey) and needle-depth bin [depth_lo, depth_hi) (dimattn.longctx.needle_scores:
+    score in %, n examples)."""
+    rows = []
+    for fields, record in _longctx_records(jsons):
+        if "needle" not in record:
+            raise ValueError(f"run {fields['run']!r} on {fields['corpus']!r}: no needle-depth scores (scored "
+                             "without niah_single, or by an older dimattn.longctx)")  # fmt: skip
+        rows += [fields | {"subtask": task} | row for task, bins in record["needle"].items() for row in bins]
+    df = _sort_runs(_as_int(pd.DataFrame(rows, columns=COLUMNS["longctx_needle"])), ["corpus", "split"],
+                    tail=["subtask", "depth_lo"])[COLUMNS["longctx_needle"]]  # fmt: skip
     _write_csv(df, out_csv)
     return df
 

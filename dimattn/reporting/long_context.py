@@ -1,0 +1,61 @@
+"""The needle heat map of the long-context suite (``longctx_needle.png``, issue 18 item 4):
+the score by the asked needle's depth (rows) and context length (columns), one panel per model
+(columns of panels, the base model first) and subtask (rows of panels: niah_single, whose
+needle holds the context's only value, and niah_multikey, whose asked needle sits among
+distractors); what long-context users look at first.
+
+It reads the tidy ``longctx_needle`` summary (dimattn.reporting.summaries.summarize_longctx_needle)
+alone. A panel is a value of ``panel`` (the run by default; a projected model's objective once
+those are scored on the suite), each cell the mean score in % over the examples whose needle
+falls in that depth bin, printed in the cell, with the fewest examples of any cell in the title
+(a test split of 256 examples holds 32 niah_single ones, about 6 a bin).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from . import plots
+from .latex import pct
+
+
+def _base_first(df: pd.DataFrame, panel: str) -> list:
+    """Panels in order: vanilla (the base) first, then the others as they come."""
+    names = list(dict.fromkeys(df[panel]))
+    base = [n for n in names if (df.loc[df[panel] == n, "attention"] == "vanilla").all()] if "attention" in df else []
+    return base + [n for n in names if n not in base]
+
+
+def needle_grid(rows: pd.DataFrame) -> pd.DataFrame:
+    """One panel's cells: depth-bin labels (rows, shallow first) by seq_len (columns), scores in %."""
+    labels = rows["depth_lo"].map(lambda x: pct(x, 0)) + "-" + rows["depth_hi"].map(lambda x: pct(x, 0)) + "%"
+    grid = rows.assign(depth=labels).pivot_table(index="depth", columns="seq_len", values="score", aggfunc="mean")
+    order = rows.drop_duplicates("depth_lo").sort_values("depth_lo").index
+    return grid.reindex(labels[order].tolist())
+
+
+def figure(needle: pd.DataFrame, path: Path, panel: str = "run") -> Path:
+    """The heat map: a panel per value of ``panel`` (columns) and subtask (rows), depth against
+    context length."""
+    if needle.empty:
+        raise ValueError("the needle heat map needs the longctx_needle summary's rows; it is empty")
+    import seaborn as sns
+
+    names, tasks = _base_first(needle, panel), list(dict.fromkeys(needle["subtask"]))
+    with plots.figure(path, (3.2 + 3.0 * len(names), 3.6 * len(tasks))) as fig:
+        axes = fig.subplots(len(tasks), len(names), squeeze=False)
+        for r, task in enumerate(tasks):
+            for c, name in enumerate(names):
+                ax, rows = axes[r, c], needle[(needle[panel] == name) & (needle["subtask"] == task)]
+                if rows.empty:
+                    ax.set_visible(False)
+                    continue
+                sns.heatmap(needle_grid(rows), ax=ax, vmin=0, vmax=100, cmap="viridis", annot=True, fmt=".0f",
+                            cbar=c == len(names) - 1, cbar_kws={"label": "score (%)"})  # fmt: skip
+                ax.set_title(f"{name}: {task}\n(>= {int(rows['n'].min())} examples a cell)", fontsize="small")
+                ax.set_xlabel("context length (tokens)")
+                ax.set_ylabel("needle depth (share of the context)")
+        fig.suptitle("Needle in a haystack: score by needle depth and context length")
+    return Path(path)
