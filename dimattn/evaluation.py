@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from .atomic import atomic_file
 from .data import load_tokens, read_documents
+from .lm_eval_tasks import TASKS_DIR, own_task_names
 from .runs import run_metadata
 
 # The workflow's own lm-eval tasks: YAMLs in TASKS_DIR, data written by write_lm_eval_data.
-TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 HELDOUT_TASK = "dimattn_heldout"  # loglikelihood_rolling over held-out documents
 NEXT_LINE_TASK = "dimattn_next_line"  # 4-way choice of the true next line
 MIN_DOC_CHARS = 1500  # a held-out document: paragraphs grouped to at least this many characters
@@ -198,7 +198,7 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
         os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # evaluate's code_eval refuses to run without it
     # Indexing lm-eval's thousands of built-in task files takes most of a CPU run: skip it
     # when every task asked for is one of ours.
-    own = {p.stem for p in TASKS_DIR.glob("*.yaml")}
+    own = own_task_names()
     manager = TaskManager(
         include_path=str(TASKS_DIR), include_defaults=any(t["name"] not in own for t in tasks),
         metadata={"tokenizer": str(model_dir), **(metadata or {})} if metadata else None,
@@ -310,13 +310,18 @@ HUB_MODEL_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "
 HUB_MODEL_SKIP = ["original/*"]
 
 
-def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_json: Path) -> dict:
+def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_json: Path,
+             lm_eval_tasks: list[dict] = (), allow_unsafe_code: bool = False,
+             ruler_qa_sources: dict | None = None) -> dict:  # fmt: skip
     """Fill the Hugging Face cache on a machine with network (a SLURM login node), so that compute
     nodes run offline: the files of each hub model that from_pretrained reads (HUB_MODEL_FILES),
     and each lm-eval task built once with that model's tokenizer, which downloads its dataset
     (RULER: the essays; nltk's punkt_tab) and generates RULER's samples at every
     metadata.max_seq_lengths. RULER QA's SQuAD and HotpotQA, which lm-eval fetches into memory
-    only, are saved to files that our ruler_qa_* tasks read (lm_eval_tasks/ruler_qa.py)."""
+    only, are saved to files that our ruler_qa_* tasks read (lm_eval_tasks/ruler_qa.py), from
+    ``ruler_qa_sources`` where given. ``lm_eval_tasks``: our runs' (evaluation.lm_eval.tasks,
+    Table 4), built once for their datasets; MBPP's, which loads and tries evaluate's code_eval
+    as it is built, only with ``allow_unsafe_code`` (the config's opt-in)."""
     from huggingface_hub import snapshot_download
     from lm_eval.tasks import TaskManager
 
@@ -324,7 +329,13 @@ def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_js
     if {"ruler_qa_squad", "ruler_qa_hotpot"} & set(names) or "ruler" in names:
         from .lm_eval_tasks import ruler_qa
 
-        ruler_qa.fetch()
+        ruler_qa.fetch(ruler_qa_sources)
+    own = own_task_names()
+    harness = [t["name"] for t in lm_eval_tasks if t["name"] not in own]
+    if harness:
+        if allow_unsafe_code:
+            os.environ["HF_ALLOW_CODE_EVAL"] = "1"
+        TaskManager(include_path=str(TASKS_DIR)).load_task_or_group(harness)
     done = {}
     for model in models:
         snapshot_download(model, allow_patterns=HUB_MODEL_FILES, ignore_patterns=HUB_MODEL_SKIP)
@@ -332,7 +343,7 @@ def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_js
             manager = TaskManager(include_path=str(TASKS_DIR), metadata={"tokenizer": model, **(metadata or {})})
             manager.load_task_or_group(names)
         done[model] = names
-    _write_json({"models": done, "metadata": metadata or {}}, out_json)
+    _write_json({"models": done, "lm_eval_tasks": harness, "metadata": metadata or {}}, out_json)
     return done
 
 

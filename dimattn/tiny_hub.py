@@ -182,15 +182,16 @@ def build_datasets(root: Path, text: Text, n: int = 8) -> None:
         path.write_text(json.dumps(data))
 
 
-def ruler_qa_files(t: Text, n: int = 40) -> dict[str, tuple[str, object]]:
+def ruler_qa_files(t: Text, n: int = 600) -> dict[str, tuple[str, object]]:
     """{dataset repo: (file, JSON)} of SQuAD's dev-v2.0.json and HotpotQA's distractor dev set,
-    small; configs/rehearsal.yaml points dimpo.downstream.ruler_qa_sources at them."""
+    small (lm-eval's generators draw 500 questions, beyond those it sets aside: ``n`` of each);
+    configs/rehearsal.yaml points dimpo.downstream.ruler_qa_sources at them."""
     squad = {"version": "v2.0", "data": [{"title": f"t{j}", "paragraphs": [
-        {"context": t.paragraph(60), "qas": [{"id": f"{j}-{k}", "question": t.sentence(8) + "?", "is_impossible": False,
+        {"context": t.paragraph(24), "qas": [{"id": f"{j}-{k}", "question": t.sentence(8) + "?", "is_impossible": False,
                                               "answers": [{"text": t.choice(t.words), "answer_start": 0}]}]}
         for k in range(4)]} for j in range(n // 4)]}  # fmt: skip
     hotpot = [{"_id": str(i), "question": t.sentence(8) + "?", "answer": t.choice(t.words), "type": "bridge", "level": "easy",
-               "supporting_facts": [], "context": [[f"title {i} {k}", [t.sentence(), t.sentence()]] for k in range(4)]}
+               "supporting_facts": [], "context": [[f"title {i} {k}", [t.sentence(6)]] for k in range(2)]}
               for i in range(n)]  # fmt: skip
     return {"rehearsal/squad": ("dev-v2.0.json", squad), "namlh2004/hotpotqa": ("hotpot_dev_distractor_v1.json", hotpot)}
 
@@ -243,6 +244,17 @@ class CodeEval(evaluate.Metric):
 '''
 
 
+def build_nltk(root: Path) -> Path:
+    """NLTK_DATA with punkt_tab's English files, empty (sentence breaks at full stops alone): what
+    lm-eval's RULER downloads from GitHub, which this hub does not serve. On a cluster the
+    prefetch's nltk.download puts the real ones in ~/nltk_data, which compute nodes must share."""
+    folder = root / "nltk_data" / "tokenizers" / "punkt_tab" / "english"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab"):
+        (folder / name).write_text("")
+    return root / "nltk_data"
+
+
 def build_spaces(root: Path) -> None:
     out = root / "spaces" / "evaluate-metric" / "code_eval"
     out.mkdir(parents=True, exist_ok=True)
@@ -256,6 +268,7 @@ def build(root: Path) -> Path:
     build_models(root, text)
     build_datasets(root, text)
     build_spaces(root)
+    build_nltk(root)
     return root
 
 

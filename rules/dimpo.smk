@@ -19,6 +19,10 @@ rule prefetch:
         models=[m["hub"] for m in PLAN.dimpo["models"] if "hub" in m],
         tasks=PLAN.downstream["tasks"] if PLAN.dimpo_projected else [],
         metadata=PLAN.downstream["metadata"],
+        ruler_qa_sources=PLAN.downstream["ruler_qa_sources"],
+        # Table 4's harness tasks (score_text): their datasets, and MBPP's code_eval
+        lm_eval_tasks=PLAN.lm_eval["tasks"] if PLAN.lm_eval_runs else [],
+        allow_unsafe_code=PLAN.lm_eval["allow_unsafe_code"],
     script:
         "../workflow_scripts/prefetch.py"
 
