@@ -22,3 +22,4 @@ include: "rules/report.smk"
 rule all:
     input:
         report_targets(),
+        longctx_summary(),

@@ -4,6 +4,7 @@ Every stage writes through these, so a killed job never leaves half a result beh
 Snakemake (or a person) to mistake for a finished one.
 """
 
+import json
 import os
 import re
 import secrets
@@ -70,3 +71,9 @@ def atomic_dir(dest: Path):
             os.rename(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(obj, path) -> None:
+    """obj as indented JSON at path, atomically (atomic_file)."""
+    with atomic_file(Path(path)) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2))

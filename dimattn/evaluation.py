@@ -2,6 +2,7 @@
 that the workflow writes itself from the held-out split (so the default run stays offline).
 """
 
+import contextlib
 import json
 import math
 import os
@@ -15,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
-from .atomic import atomic_file
+from .atomic import atomic_file, write_json
 from .data import load_tokens, read_documents
 from .lm_eval_tasks import TASKS_DIR, own_task_names
 from .runs import run_metadata
@@ -62,7 +63,7 @@ def evaluate_perplexity(model_dir: Path, tokens_bin: Path, corpus: str, seq_len:
     model = load_model(model_dir, device)
     result = {**run_metadata(model_dir), "corpus": corpus, "split": "test"}
     result.update(perplexity(model, tokens, seq_len, batch_size, max_tokens))
-    _write_json(result, out_json)
+    write_json(result, out_json)
     return result
 
 
@@ -234,20 +235,21 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
             samples, counts = None, {}
             if min_context:
                 samples, counts = long_enough_samples(lm, manager, t["name"], shots, chat, limit, min_context)
-            out = lm_eval.simple_evaluate(
-                model=lm,
-                tasks=[t["name"]],
-                num_fewshot=shots,
-                batch_size=size,
-                device=device,
-                limit=None if samples else limit,  # lm-eval takes one of the two; limit is in samples
-                samples=samples,
-                task_manager=manager,
-                apply_chat_template=chat,
-                log_samples=False,
-                bootstrap_iters=1000,  # stderr: closed form for means, bootstrap for perplexities
-                confirm_run_unsafe_code=allow_unsafe_code,
-            )
+            with _without_env_info():
+                out = lm_eval.simple_evaluate(
+                    model=lm,
+                    tasks=[t["name"]],
+                    num_fewshot=shots,
+                    batch_size=size,
+                    device=device,
+                    limit=None if samples else limit,  # lm-eval takes one of the two; limit is in samples
+                    samples=samples,
+                    task_manager=manager,
+                    apply_chat_template=chat,
+                    log_samples=False,
+                    bootstrap_iters=1000,  # stderr: closed form for means, bootstrap for perplexities
+                    confirm_run_unsafe_code=allow_unsafe_code,
+                )
         except Exception as e:  # noqa: BLE001 - recorded, the other tasks still run
             import traceback
 
@@ -257,7 +259,7 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
         done = {"spec": spec, "results": _jsonable(out["results"]), "context_filter": counts,
                 "num_fewshot": {k: v.get("num_fewshot") for k, v in out.get("configs", {}).items()}}  # fmt: skip
         if partial is not None:
-            _write_json(done, partial)
+            write_json(done, partial)
         results.update(done["results"])
         configs.update(done["num_fewshot"])
         filtered.update(counts)
@@ -279,10 +281,36 @@ def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: st
     model = load_model(Path(model_dir), device)
     result = {**run_metadata(Path(model_dir)), "corpus": corpus}
     result.update(score_recall(model, tokens_bin, batch_size, distance_bins, max_examples))
-    with atomic_file(Path(out_json)) as tmp:
-        tmp.write_text(json.dumps(result, indent=2))
+    write_json(result, out_json)
     return result
 
+
+def evaluate_longctx(model_dir, tokens_bin, out_json, batch_size: int, device: str = "cpu", corpus: str = "longctx",
+                     max_examples: int | None = None) -> dict:  # fmt: skip
+    """The long-context suite's scores (:func:`dimattn.longctx.score_suite`) of the run at
+    model_dir on one suite corpus, as JSON."""
+    from .longctx import score_suite
+
+    model = load_model(Path(model_dir), device)
+    result = {**run_metadata(Path(model_dir)), "corpus": corpus}
+    result.update(score_suite(model, tokens_bin, batch_size, max_examples))
+    write_json(result, out_json)
+    return result
+
+
+@contextlib.contextmanager
+def _without_env_info():
+    """simple_evaluate adds torch's collect_env report to its results: pip, lscpu and friends in
+    subprocesses, about half a second a call and a task, for fields we never keep (we take the
+    results, not the environment: the model's fingerprint stands for it)."""
+    import lm_eval.evaluator
+
+    kept = lm_eval.evaluator.add_env_info
+    lm_eval.evaluator.add_env_info = lambda storage: None
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.add_env_info = kept
 
 def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
                 device: str = "cpu", dtype: str = "float32", allow_unsafe_code: bool = False,
@@ -296,90 +324,9 @@ def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int 
     record = {**meta, **lm_eval_results(model_dir, tasks, batch_size, limit, device, dtype,
                                         allow_unsafe_code=allow_unsafe_code, partial_dir=partial_dir,
                                         min_context=window or None)}  # fmt: skip
-    _write_json(record, out_json)
+    write_json(record, out_json)
     if partial_dir is not None:
         shutil.rmtree(partial_dir, ignore_errors=True)
-    return record
-
-
-# What AutoModelForCausalLM / AutoTokenizer.from_pretrained read of a hub model: config and
-# generation config, tokenizer files (json, sentencepiece, tiktoken, a chat template), weights as
-# safetensors. Not the rest of the repository: Llama's original/ (consolidated.*.pth, about the
-# size of the safetensors again), *.bin or *.pt duplicates, other formats.
-HUB_MODEL_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
-HUB_MODEL_SKIP = ["original/*"]
-
-
-def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_json: Path,
-             lm_eval_tasks: list[dict] = (), allow_unsafe_code: bool = False,
-             ruler_qa_sources: dict | None = None) -> dict:  # fmt: skip
-    """Fill the Hugging Face cache on a machine with network (a SLURM login node), so that compute
-    nodes run offline: the files of each hub model that from_pretrained reads (HUB_MODEL_FILES),
-    and each lm-eval task built once with that model's tokenizer, which downloads its dataset
-    (RULER: the essays; nltk's punkt_tab) and generates RULER's samples at every
-    metadata.max_seq_lengths. RULER QA's SQuAD and HotpotQA, which lm-eval fetches into memory
-    only, are saved to files that our ruler_qa_* tasks read (lm_eval_tasks/ruler_qa.py), from
-    ``ruler_qa_sources`` where given. ``lm_eval_tasks``: our runs' (evaluation.lm_eval.tasks,
-    Table 4), built once for their datasets; MBPP's, which loads and tries evaluate's code_eval
-    as it is built, only with ``allow_unsafe_code`` (the config's opt-in)."""
-    from huggingface_hub import snapshot_download
-    from lm_eval.tasks import TaskManager
-
-    names = [t["name"] for t in tasks]
-    if {"ruler_qa_squad", "ruler_qa_hotpot"} & set(names) or "ruler" in names:
-        from .lm_eval_tasks import ruler_qa
-
-        ruler_qa.fetch(ruler_qa_sources)
-    own = own_task_names()
-    harness = [t["name"] for t in lm_eval_tasks if t["name"] not in own]
-    if harness:
-        if allow_unsafe_code:
-            os.environ["HF_ALLOW_CODE_EVAL"] = "1"
-        TaskManager(include_path=str(TASKS_DIR)).load_task_or_group(harness)
-    done = {}
-    for model in models:
-        snapshot_download(model, allow_patterns=HUB_MODEL_FILES, ignore_patterns=HUB_MODEL_SKIP)
-        if names:
-            manager = TaskManager(include_path=str(TASKS_DIR), metadata={"tokenizer": model, **(metadata or {})})
-            manager.load_task_or_group(names)
-        done[model] = names
-    _write_json({"models": done, "lm_eval_tasks": harness, "metadata": metadata or {}}, out_json)
-    return done
-
-
-def downstream_tasks(tasks: list[dict], d_prime: int) -> list[dict]:
-    """The dimpo.downstream.tasks a projected model of width ``d_prime`` is scored on: those
-    whose ``d_prime`` lists it (or that give none); the base model (d' 0) takes every task."""
-    return [t for t in tasks if not d_prime or d_prime in t.get("d_prime", [d_prime])]
-
-
-def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_len: int, batch_size: int,
-                    max_tokens: int | None, tasks: list[dict], limit: int | None, out_json: Path,
-                    metadata: dict | None = None, device: str = "cpu",
-                    recall: dict[str, Path] | None = None) -> dict:  # fmt: skip
-    """A projected model directory (dimattn.modeling_projected) scored as our runs are: held-out
-    perplexity per corpus ({corpus: tokens.bin}), the recall probe per synthetic corpus
-    ({corpus: test tokens.bin}; the context prefilled and the questions decoded through the
-    model's KV cache, so that KV compression acts: dimattn.recall.score_recall, seed 003's RULER
-    at CPU scale) and lm-eval's `hf` model on those of ``tasks`` that score its d'
-    (downstream_tasks); JSON with ``fields`` (model, objective, d', l, kv, ...)
-    beside."""
-    from .recall import load_examples, score_recall
-
-    for path in (recall or {}).values():
-        load_examples(path)  # a damaged corpus fails before any scoring
-    record = {**fields, "perplexity": {}, "recall": {}, "results": {}, "num_fewshot": {}}
-    if tokens or recall:
-        model = load_model(model_dir, device)
-        for corpus, path in tokens.items():
-            record["perplexity"][corpus] = perplexity(model, load_tokens(path)[0], seq_len, batch_size, max_tokens)
-        for corpus, path in (recall or {}).items():
-            record["recall"][corpus] = score_recall(model, path, batch_size, through_cache=True)
-        del model
-    tasks = downstream_tasks(tasks, fields.get("d_prime", 0))  # a task's d_prime: the widths it scores
-    if tasks:
-        record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata))
-    _write_json(record, out_json)
     return record
 
 
@@ -394,7 +341,3 @@ def _jsonable(obj):
         return obj.item()
     return obj
 
-
-def _write_json(obj: dict, path: Path) -> None:
-    with atomic_file(Path(path)) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2))

@@ -15,14 +15,13 @@ Used by the workflow's ``latency`` rule (one job, every core: nothing runs besid
 from __future__ import annotations
 
 import copy
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from .atomic import atomic_file
+from .atomic import write_json
 from .modeling_projected import attach_projections, attention_modules
 
 
@@ -115,6 +114,5 @@ def latency_to_file(source: str, projections_path, out_json, model_name: str, pr
     model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=is_dimattn_directory(source), dtype=dtype)
     rows = measure(model.to(device).eval(), projections, prompt, new, repeats, device)
     rows = [{"model": model_name, "d_prime": int(next(iter(projections.values())).W.shape[0]), **r} for r in rows]
-    with atomic_file(Path(out_json)) as tmp:
-        tmp.write_text(json.dumps(rows, indent=2))
+    write_json(rows, out_json)
     return rows

@@ -375,7 +375,8 @@ OBJECTIVES: dict[str, Objective] = {
         _objective("simpo", "pair", simpo_loss, ("beta", "gamma"), lr=1e-3, batch_size=32, beta=1.0, gamma=1.0),
         _objective("orpo", "pair", orpo_loss, ("lam",), lr=1e-3, batch_size=32, lam=0.1),
         _objective("kl", "list", kl_loss, lr=1e-4, batch_size=1),
-        _objective("dimpo", "list", dimpo_loss, (*_LIST, "k", "lam"), **_DIMPO, k=64, lam=1.0),
+        # k: the authors' 64 of 4,096 keys as a share, resolved per capture (FitSettings.k_share)
+        _objective("dimpo", "list", dimpo_loss, (*_LIST, "k", "lam"), **_DIMPO, k_share=1 / 64, lam=1.0),
         # Table 1's "DimPO (k=0, lambda=0)": the listwise term alone.
         _objective("dimpo_list", "list", dimpo_loss, (*_LIST, "k", "lam"), **_DIMPO, k=0, lam=0.0),
         _objective("dimpo_kl", "list", dimpo_kl_loss, (*_LIST, "kl_weight"), **_DIMPO, kl_weight=1.0),

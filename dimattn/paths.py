@@ -82,6 +82,11 @@ def recall(run: str, dataset: str) -> str:
     return f"{EVAL}/{run}/recall_{dataset}.json"
 
 
+def longctx(run: str, dataset: str) -> str:
+    """The long-context suite's scores of a run on one suite corpus (dimattn.longctx)."""
+    return f"{EVAL}/{run}/longctx_{dataset}.json"
+
+
 def lm_eval(run: str) -> str:
     return f"{EVAL}/{run}/lm_eval.json"
 

@@ -31,7 +31,7 @@ fidelity) follows that rule, so the objectives fit F on the keys the layer reall
 import csv
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,7 +42,7 @@ from .affine import load_projections, logit_scale, projected_logits, save_atomic
 from .atomic import atomic_file
 from .formats import FIDELITY_COLUMNS
 from .objectives import get_objective, pca_projection, select_pairs
-from .settings import from_mapping
+from .settings import from_mapping, key_list_length, resolve_top_k
 
 CAPTURE_PARTS = ("q", "k", "v", "k_far", "v_far")
 
@@ -197,7 +197,13 @@ class FitSettings:
     gamma: float = 1e-4
     """Margin. Authors (per objective): DimPO 1e-4, SimPO 1.0. Ours: the same."""
     k: int = 64
-    """Top-k keys of DimPO's head term. Authors: 64 (dimpo), 0 (dimpo_list, dimpo_kl). Ours: the same."""
+    """Top-k keys of DimPO's head term, where k_share is None. Authors: 64 of their 4,096-key
+    lists (dimpo), 0 (dimpo_list, dimpo_kl). Ours: the same, DimPO's given as k_share."""
+    k_share: float | None = None
+    """DimPO's k as a share of the key list, resolved per capture (dimattn.settings.resolve_top_k:
+    rounded half up, at least 1); None: k as given. A layer of hparams that sets k alone clears
+    an earlier share. Authors: 64 / 4,096 = 1/64 (per objective, dimpo). Ours: 1/64, so that a
+    shorter capture keeps the paper's share rather than every key (k >= the list: DimPO = KL)."""
     lam: float = 1.0
     """Authors (per objective): DimPO's head weight 1, ORPO's and CPO's lambda 0.1. Ours: the same."""
     kl_weight: float = 1.0
@@ -269,6 +275,8 @@ class FitSettings:
             value = getattr(self, name)
             if value is not None and int(value) < 1:
                 raise ValueError(f"{name}={value!r} must be >= 1 or None")
+        if self.k_share is not None and not 0 < self.k_share < 1:
+            raise ValueError(f"k_share={self.k_share!r} must lie in (0, 1) or be None")
         if self.num_sampled_keys is not None and self.causal:
             raise ValueError("num_sampled_keys needs causal=False (Appendix B lists are non-causal)")
 
@@ -308,13 +316,25 @@ def resolve_settings(objective: str | None = None, hparams=None) -> FitSettings:
     for name in per:
         get_objective(name)
     values = dict(PRESETS[preset])
-    if objective is not None:
-        values.update(get_objective(objective).defaults)
-    values.update(hp)
-    if objective is not None:
-        values.update(per.get(objective) or {})
-    values.update(setting)
+    layers = [dict(get_objective(objective).defaults) if objective is not None else {}, hp,
+              (per.get(objective) or {}) if objective is not None else {}, setting]  # fmt: skip
+    for layer in layers:
+        if "k" in layer and "k_share" not in layer:  # a k given later wins over an earlier share
+            values["k_share"] = None
+        values.update(layer)
     return from_mapping(FitSettings, values, "fit settings")
+
+
+def with_top_k(settings: FitSettings, n_keys: int, what: str = "the capture") -> FitSettings:
+    """``settings`` with DimPO's k resolved on lists of ``n_keys`` (k_share kept beside it). A
+    head term that keeps every key (k >= n_keys, lambda != 0) makes DimPO KL plus a constant
+    and is refused, naming k or k_share (planning refuses a config's first: dimattn.sweeps)."""
+    k = resolve_top_k(settings.k, settings.k_share, n_keys)
+    if k >= n_keys and k > 0 and settings.lam != 0:
+        given = f"k_share={settings.k_share} (k={k})" if settings.k_share is not None else f"k={k}"
+        raise ValueError(f"{given} reaches the {n_keys} keys of {what}'s lists: DimPO's head term would keep "
+                         "every key, which is KL plus a constant; choose k < the keys or a smaller k_share")
+    return replace(settings, k=k)
 
 
 # ---- projections ------------------------------------------------------------------------------
@@ -348,6 +368,11 @@ class Instances:
 
     def __len__(self):
         return len(self.seq)
+
+    @property
+    def n_keys(self) -> int:
+        """Keys of the longest list (a causal list ends at its query)."""
+        return self.keys_source.shape[2] if self.key_subset is None else self.key_subset.shape[-1]
 
     def key_vectors(self, inst, positions):
         """(P, d) keys that instances ``inst`` (P,) score at key ``positions`` (P,): near, or
@@ -485,6 +510,8 @@ def _batch_loss(obj, settings, proj, instances, pairs, index, scale):
 def objective_loss(instances: Instances, objective: str, projection, hparams=None, batch_size: int = 512) -> float:
     """Mean of a list objective's loss over all ``instances`` at ``projection`` (no grad)."""
     obj, st = get_objective(objective), resolve_settings(objective, hparams)
+    if "k" in obj.hparams:
+        st = with_top_k(st, instances.n_keys)
     proj = as_affine(projection).to(device=instances.query.device, dtype=instances.query.dtype)
     scale = logit_scale(st.train_scale, proj.W.shape[1], proj.W.shape[0])
     total = 0.0
@@ -507,6 +534,8 @@ def fit_layer(layer_capture, objective: str, d_prime: int, hparams=None, seed: i
     is skipped, as the authors do. ``device``: where to fit (default: where the capture is).
     """
     obj, st = get_objective(objective), resolve_settings(objective, hparams)
+    if "k" in obj.hparams:
+        st = with_top_k(st, key_list_length(layer_capture["q"].shape[2], st.num_sampled_keys))
     if device is not None:
         layer_capture = {name: t.to(device) if torch.is_tensor(t) else t for name, t in layer_capture.items()}
     generator = torch.Generator().manual_seed(seed)
@@ -657,6 +686,9 @@ def fit_to_file(capture_path, objective: str, d_prime: int, hparams, out_path, d
     seed = int(hparams.pop("seed", 0))
     settings = resolve_settings(objective, hparams)
     capture, capture_meta = load_capture(capture_path)
+    if "k" in get_objective(objective).hparams:  # the metadata records the k each layer was fitted with
+        n_keys = key_list_length(capture_meta["seq_len"], settings.num_sampled_keys)
+        settings = with_top_k(settings, n_keys, str(capture_path))
     projections, histories = fit_projections(
         capture, objective, d_prime, settings, seed, return_history=True, device=device
     )

@@ -250,10 +250,16 @@ def split_rng(seed: int, split: str) -> np.random.Generator:
 
 def build_tokenizer(settings: RecallSettings):
     """A WordLevel tokenizer over the vocabulary (whitespace separated names), eos/bos/pad set."""
+    return word_level_tokenizer(vocabulary(settings), settings.seq_len)
+
+
+def word_level_tokenizer(vocab: dict[str, int], max_length: int):
+    """A WordLevel tokenizer over ``vocab`` (whitespace separated names, the specials of
+    RECALL_SPECIALS among them), eos/bos/pad set: the synthetic corpora's tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    word_level = Tokenizer(models.WordLevel(vocab=vocabulary(settings), unk_token=UNK_TOKEN))
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     word_level.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     return PreTrainedTokenizerFast(
@@ -262,9 +268,45 @@ def build_tokenizer(settings: RecallSettings):
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
-        model_max_length=settings.seq_len,
+        model_max_length=max_length,
         clean_up_tokenization_spaces=False,
     )
+
+
+def write_synthetic_corpus(out_dir, make_split, tokenizer, meta: dict) -> dict:
+    """Write out_dir/tokens/{train,validation,test}.{bin,json} and out_dir/tokenizer/ of a
+    synthetic corpus: ``make_split(split)`` gives its (n, example_len) examples and a uint8
+    training-target mask of the same shape, or None (the loss then covers every token); ``meta``
+    (source, vocab_size, the layout, the settings) goes into every split's sidecar.
+
+    out_dir is replaced as a whole (it appears complete or not at all). Returns the metas.
+    """
+    out_dir, metas = Path(out_dir), {}
+    with atomic_dir(out_dir) as tmp:
+        (tmp / "tokens").mkdir()
+        for split in SPLITS:
+            examples, mask = make_split(split)
+            bin_path = tmp / "tokens" / f"{split}.bin"
+            examples.astype(np.uint16).tofile(bin_path)
+            mask_name = None
+            if mask is not None:  # 1 where the token is an answer: the only training targets
+                mask_name = f"{split}.targets.bin"
+                mask.astype(np.uint8).tofile(tmp / "tokens" / mask_name)
+            metas[split] = {
+                "dtype": "uint16",
+                "n_tokens": int(examples.size),
+                "eos_token_id": EOS_ID,
+                "bos_token_id": BOS_ID,
+                "pad_token_id": PAD_ID,
+                "split": split,
+                "example_len": int(examples.shape[1]),
+                "n_examples": int(len(examples)),
+                **({"loss_mask": mask_name} if mask_name else {}),
+                **meta,
+            }
+            bin_path.with_suffix(".json").write_text(json.dumps(metas[split], indent=2))
+        tokenizer.save_pretrained(tmp / "tokenizer")
+    return metas
 
 
 def write_recall_corpus(settings: RecallSettings, out_dir) -> dict:
@@ -274,39 +316,18 @@ def write_recall_corpus(settings: RecallSettings, out_dir) -> dict:
     """
     if not isinstance(settings, RecallSettings):
         settings = RecallSettings.from_spec(settings)
-    out_dir, metas = Path(out_dir), {}
-    with atomic_dir(out_dir) as tmp:
-        (tmp / "tokens").mkdir()
-        for split in SPLITS:
-            n = settings.n_examples(split)
-            examples = generate_examples(settings, n, split_rng(settings.seed, split))
-            bin_path = tmp / "tokens" / f"{split}.bin"
-            examples.astype(np.uint16).tofile(bin_path)
-            mask_name = None
-            if settings.answer_loss:  # 1 where the token is an answer: the only training targets
-                queries = find_queries(examples, settings.layout())
-                mask = np.zeros(examples.shape, dtype=np.uint8)
-                mask[queries[:, 0], queries[:, 1] + 1] = 1
-                mask_name = f"{split}.targets.bin"
-                mask.tofile(tmp / "tokens" / mask_name)
-            metas[split] = {
-                "dtype": "uint16",
-                "n_tokens": int(examples.size),
-                "vocab_size": settings.vocab_size,
-                "eos_token_id": EOS_ID,
-                "bos_token_id": BOS_ID,
-                "pad_token_id": PAD_ID,
-                "source": SOURCE,
-                "split": split,
-                "example_len": settings.seq_len,
-                "n_examples": n,
-                **({"loss_mask": mask_name} if mask_name else {}),
-                "recall": settings.layout(),
-                "settings": asdict(settings),
-            }
-            bin_path.with_suffix(".json").write_text(json.dumps(metas[split], indent=2))
-        build_tokenizer(settings).save_pretrained(tmp / "tokenizer")
-    return metas
+
+    def make_split(split):
+        examples = generate_examples(settings, settings.n_examples(split), split_rng(settings.seed, split))
+        if not settings.answer_loss:
+            return examples, None
+        queries = find_queries(examples, settings.layout())
+        mask = np.zeros(examples.shape, dtype=np.uint8)
+        mask[queries[:, 0], queries[:, 1] + 1] = 1
+        return examples, mask
+
+    meta = {"vocab_size": settings.vocab_size, "source": SOURCE, "recall": settings.layout(), "settings": asdict(settings)}
+    return write_synthetic_corpus(out_dir, make_split, build_tokenizer(settings), meta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,18 +453,26 @@ def predict_through_cache(model, examples: np.ndarray, queries: np.ndarray, pref
     if not 1 <= prefill < length:
         raise ValueError(f"prefill must be in 1..{length - 1}, got {prefill}")
     device = next(model.parameters()).device
+    # the last token predicts nothing scored
+    return _predict(examples, queries, batch_size, device, lambda x: decode_through_cache(model, x, prefill, length - 1))
 
-    def argmax(x):
-        positions = torch.arange(length, device=device).expand(len(x), length)
-        out = model(input_ids=x[:, :prefill], position_ids=positions[:, :prefill], use_cache=True)
-        steps = [out.logits.argmax(-1)]
-        for t in range(prefill, length - 1):  # the last token predicts nothing scored
-            out = model(input_ids=x[:, t : t + 1], position_ids=positions[:, t : t + 1],
-                        cache=out.past_key_values, use_cache=True)  # fmt: skip
-            steps.append(out.logits.argmax(-1))
-        return torch.cat(steps, dim=1)  # (b, L - 1)
 
-    return _predict(examples, queries, batch_size, device, argmax)
+def decode_through_cache(model, x, prefill: int, stop: int, greedy: bool = False):
+    """(b, stop) argmax of ``model`` at positions 0 .. stop - 1 of the token batch ``x``: the
+    first ``prefill`` tokens one prompt, then a token at a time through the model's KV cache
+    (where KV compression acts), positions passed explicitly (an evicting cache is shorter than
+    what it has seen). Position t >= prefill reads token x[:, t] (teacher forced) or, ``greedy``,
+    the argmax at t - 1: greedy generation of stop - prefill tokens after the prompt."""
+    import torch
+
+    positions = torch.arange(stop, device=x.device).expand(len(x), stop)
+    out = model(input_ids=x[:, :prefill], position_ids=positions[:, :prefill], use_cache=True)
+    steps = [out.logits.argmax(-1)]
+    for t in range(prefill, stop):
+        token = steps[-1][:, -1:] if greedy else x[:, t : t + 1]
+        out = model(input_ids=token, position_ids=positions[:, t : t + 1], cache=out.past_key_values, use_cache=True)
+        steps.append(out.logits.argmax(-1))
+    return torch.cat(steps, dim=1)
 
 
 def score_recall(model, tokens_bin, batch_size: int, distance_bins: list[int] | None = None,

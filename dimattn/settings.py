@@ -1,5 +1,7 @@
-"""Plain dataclasses of settings filled from config mappings, refusing keys they do not know."""
+"""Plain dataclasses of settings filled from config mappings, refusing keys they do not know,
+and the arithmetic of fit settings that planning (torch-free) and fitting share."""
 
+import math
 from dataclasses import fields
 
 
@@ -11,3 +13,17 @@ def from_mapping(cls, mapping, what: str):
     if unknown:
         raise ValueError(f"unknown {what} {unknown}; known: {known}")
     return cls(**mapping)
+
+
+def key_list_length(seq_len: int, num_sampled_keys: int | None = None) -> int:
+    """Keys in one instance's list: the capture's sequence length (every key, the authors'
+    non-causal lists; a causal list is at most that long), or Appendix B's sampled keys."""
+    return seq_len if num_sampled_keys is None else min(int(num_sampled_keys), seq_len)
+
+
+def resolve_top_k(k: int, k_share: float | None, n_keys: int) -> int:
+    """DimPO's top-k on a list of ``n_keys``: ``k`` as given, or ``k_share`` of the list rounded
+    half up and at least 1 (the paper's 64 of 4,096 keys is k_share 1/64: 4 of a 256-key list)."""
+    if k_share is None:
+        return int(k)
+    return max(1, math.floor(k_share * n_keys + 0.5))

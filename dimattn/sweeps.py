@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import variants
+from .settings import key_list_length, resolve_top_k
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
-SYNTHETIC_SOURCES = {"synthetic_recall"}
+SYNTHETIC_SOURCES = {"synthetic_recall", "synthetic_longctx"}  # generated here: no text
+LONGCTX_SOURCE = "synthetic_longctx"  # dimattn.longctx's RULER-style suite
 
 
 # DimPO fits: Table 1's grid is the study "table1" at the setting "default" (dimpo.hparams as
@@ -26,6 +28,9 @@ SYNTHETIC_SOURCES = {"synthetic_recall"}
 MAIN_STUDY = "table1"
 DEFAULT_SETTING = "default"
 CAPTURE_FIELDS = ("capture_dtype", "special_tokens")  # set per capture, so never per fit
+# The objectives whose loss reads DimPO's top-k (dimattn.objectives: "k" in Objective.hparams;
+# tests/test_sweeps.py holds the two equal).
+HEAD_OBJECTIVES = ("dimpo", "dimpo_list")
 
 
 def setting_name(overrides: dict) -> str:
@@ -177,6 +182,13 @@ class Plan:
     def is_synthetic(self, dataset: str) -> bool:
         return self.config["datasets"][dataset]["source"] in SYNTHETIC_SOURCES
 
+    def is_longctx(self, dataset: str) -> bool:
+        return self.config["datasets"][dataset]["source"] == LONGCTX_SOURCE
+
+    @property
+    def longctx_datasets(self) -> list[str]:
+        return [d for d in self.config["datasets"] if self.is_longctx(d)]
+
     @property
     def text_datasets(self) -> list[str]:
         return [d for d in self.config["datasets"] if not self.is_synthetic(d)]
@@ -196,7 +208,23 @@ class Plan:
 
     @property
     def recall_runs(self) -> list[str]:
-        return [r for r, run in self.runs.items() if run.synthetic]
+        return [r for r, run in self.runs.items() if run.synthetic and not self.is_longctx(run.dataset)]
+
+    @property
+    def longctx_runs(self) -> list[str]:
+        """Runs trained on the long-context suite: scored on it (dimattn.longctx), no other probe."""
+        return [r for r, run in self.runs.items() if self.is_longctx(run.dataset)]
+
+    @property
+    def reported_runs(self) -> list[str]:
+        """The runs dimattn.reporting's tables read (the long-context suite's runs have their own summary)."""
+        return [r for r in self.runs if r not in self.longctx_runs]
+
+    def longctx_targets(self, run: str) -> list[str]:
+        """The suite corpora a long-context run is scored on: its own, then evaluation.longctx.datasets
+        (the same suite at other lengths: seed 003 Table 4's 1x and 2x)."""
+        own = self.runs[run].dataset
+        return [own] + [d for d in self.config["evaluation"]["longctx"]["datasets"] if d != own]
 
     @property
     def lm_eval(self) -> dict:
@@ -528,6 +556,7 @@ def check_references(p: Plan) -> None:
         if p.is_synthetic(p.lm_eval["write_tasks_from"]):
             raise ConfigError("evaluation.lm_eval.write_tasks_from",
                               f"{p.lm_eval['write_tasks_from']!r} is synthetic: it has no text to make tasks of")
+    _check_longctx(p)
     if not p.dimpo_enabled:
         return
     for key in ("dataset", "objectives", "d_prime"):
@@ -558,6 +587,9 @@ def check_references(p: Plan) -> None:
             where = f"dimpo.models[{i}].num_projected" if "num_projected" in spec else "dimpo.downstream.num_projected"
             raise ConfigError(where,
                               f"l={depth[0]} exceeds the {run.model['num_hidden_layers']} layers of run {spec['run']!r}")
+        if p.is_longctx(run.dataset):
+            raise ConfigError(key, f"run {spec['run']!r} is trained on the long-context suite {run.dataset!r}; "
+                                   "projecting it (and scoring it on the suite downstream) is not wired yet")
         if run.synthetic:
             _check_recall_capture(p, i, spec, run)
         own = f"dimpo.models[{i}].d_prime" if "d_prime" in spec else "dimpo.d_prime"
@@ -576,6 +608,7 @@ def check_references(p: Plan) -> None:
         if stray:
             raise ConfigError(f"dimpo.ablations.{study}.models", f"{stray[0]!r} is not in dimpo.models "
                                                                  f"({list(p.dimpo_models)})")
+    _check_top_k(p)
     studies = {"dimpo": p.dimpo} | {f"dimpo.ablations.{s}": a for s, a in p.dimpo["ablations"].items()}
     for prefix, spec in studies.items():
         seen = {}
@@ -589,6 +622,68 @@ def check_references(p: Plan) -> None:
             if name in seen:
                 raise ConfigError(key, f"repeats settings[{seen[name]}] ({name})")
             seen[name] = i
+
+
+# The suite's generator settings a model's vocabulary depends on: corpora scored together share them.
+LONGCTX_VOCABULARY = ("subtasks", "n_keys", "n_values", "n_words")
+
+
+def _check_longctx(p: Plan) -> None:
+    """evaluation.longctx.datasets are suite corpora; each is scored by every long-context run, so
+    their vocabulary must be the runs' (the settings of LONGCTX_VOCABULARY alike). The generator's
+    own refusals (dimattn.longctx.check_datasets) need numpy: rules/common.smk runs them after
+    the plan, still before any job."""
+    datasets = p.config["datasets"]
+    for i, name in enumerate(p.config["evaluation"]["longctx"]["datasets"]):
+        key = f"evaluation.longctx.datasets[{i}]"
+        _need_dataset(p, key, name)
+        if not p.is_longctx(name):
+            raise ConfigError(key, f"{name!r} is not a {LONGCTX_SOURCE} corpus")
+        for run in p.longctx_runs:
+            own = datasets[p.runs[run].dataset]
+            differ = [f for f in LONGCTX_VOCABULARY if datasets[name].get(f) != own.get(f)]
+            if differ:
+                raise ConfigError(f"datasets.{name}.{differ[0]}",
+                                  f"{datasets[name].get(differ[0])!r} differs from {p.runs[run].dataset!r}'s "
+                                  f"{own.get(differ[0])!r}, on which run {run!r} is trained: its vocabulary differs")
+
+
+def _check_top_k(p: Plan) -> None:
+    """A DimPO fit whose head term keeps every key of its list (k >= keys: KL plus a constant) is
+    refused, naming the k or k_share that made it so. The layers merge as
+    dimattn.projections.resolve_settings merges them (hparams < per_objective < setting; a k
+    given alone clears an earlier share); a fit the config gives no k keeps its objective's
+    default (dimpo: the paper's share, 1/64; dimpo_list: k = 0). The list is the capture's
+    sequence length, or Appendix B's sampled keys."""
+    hp = p.dimpo["hparams"]
+    base = {name: value for name, value in hp.items() if name not in ("preset", "per_objective", "setting")}
+    for model in p.dimpo_models:
+        seq_len = p.dimpo_capture(model)["seq_len"]
+        for fit in p.model_fits(model):
+            if fit.objective not in HEAD_OBJECTIVES:
+                continue
+            main = fit.study == MAIN_STUDY
+            prefix, study = ("dimpo", p.dimpo) if main else (f"dimpo.ablations.{fit.study}", p.dimpo["ablations"][fit.study])
+            per = (hp.get("per_objective") or {}).get(fit.objective) or {}
+            layers = [("dimpo.hparams", base), (f"dimpo.hparams.per_objective.{fit.objective}", per),
+                      (f"{prefix}.settings[{fit.order}]", study["settings"][fit.order])]  # fmt: skip
+            values, source = {}, None
+            for key, layer in layers:
+                if layer.get("k") is not None and layer.get("k_share") is not None:
+                    raise ConfigError(f"{key}.k_share", f"set k ({layer['k']}) or k_share ({layer['k_share']}), not both")
+                for name in ("k", "k_share"):
+                    if layer.get(name) is not None:
+                        values |= {"k": None, "k_share": None, name: layer[name]}
+                        source = f"{key}.{name}"
+                values |= {name: layer[name] for name in ("lam", "num_sampled_keys") if name in layer}
+            if source is None or values.get("lam", 1) == 0:
+                continue
+            n_keys = key_list_length(seq_len, values.get("num_sampled_keys"))
+            k = resolve_top_k(values["k"], values["k_share"], n_keys)
+            if k >= n_keys:
+                raise ConfigError(source, f"k={k} reaches the {n_keys} keys of {model!r}'s lists (capture seq_len "
+                                          f"{seq_len}): DimPO's head term would keep every key, KL plus a constant; "
+                                          "choose k < the keys, or k_share (the paper's 64 of 4,096: 0.015625)")
 
 
 def _check_unsafe_tasks(p: Plan) -> None:

@@ -1,4 +1,5 @@
-"""Config validation, the plan of runs (dimattn.sweeps), input functions and targets.
+"""Config validation, the plan of runs (dimattn.sweeps), shared wildcard constraints and stems,
+input functions and targets.
 
 The vocabulary of variants lives in dimattn.variants, the sweep logic in dimattn.sweeps, the
 results/ layout in dimattn.paths and the defaults in the schema: this file only connects them
@@ -27,6 +28,10 @@ try:
     # sweeps.validate: the schema's defaults, in a copy where no two sections share one default
     # object; then every run and cross-reference, each error naming its config key.
     PLAN = sweeps.plan(sweeps.validate(config))
+    if PLAN.longctx_datasets:  # the suite generator's refusals (numpy, so not in torch-free sweeps)
+        from dimattn.longctx import check_datasets
+
+        check_datasets(PLAN)
 except sweeps.ConfigError as e:
     raise WorkflowError(str(e)) from None
 RUNS = PLAN.runs
@@ -35,6 +40,38 @@ try:
     FIRST_ATTEMPTS = resources.first_attempts(PLAN)
 except resources.ResourceError as e:
     raise WorkflowError(str(e)) from None
+
+
+# Every job's device (config.device), for the scripts' params and gpu_count.
+DEVICE = PLAN.config["device"]
+
+
+# The wildcards of DimPO's fits and projected models (rules/dimpo.smk), constrained once here:
+# a setting is one path segment, d', l (num_projected) and the fit seed are numbers.
+wildcard_constraints:
+    setting=r"[^/]+",
+    d_prime=r"\d+",
+    num_projected=r"\d+",
+    seed=r"\d+",
+
+
+# A fit (paths.projection, paths.fidelity) and a projected model (paths.projected_model,
+# paths.downstream) as wildcards, in the paths' argument order; each stem names the jobs' logs
+# and benchmarks.
+FIT = ("{model}", "{objective}", "{setting}", "{d_prime}", "{seed}")
+FIT_STEM = "{model}_{objective}_{setting}_d{d_prime}_s{seed}"
+PROJECTED = (
+    "{model}",
+    "{objective}",
+    "{setting}",
+    "{d_prime}",
+    "{num_projected}",
+    "{kv}",
+    "{seed}",
+)
+PROJECTED_STEM = (
+    "{model}_{objective}_{setting}_d{d_prime}_l{num_projected}_{kv}_s{seed}"
+)
 
 
 def one_of(names):
@@ -114,7 +151,7 @@ def dimpo_resource(key):
 
 
 def gpu_count():
-    return 1 if PLAN.config["device"] == "cuda" else 0
+    return 1 if DEVICE == "cuda" else 0
 
 
 def dimpo_model_dir(wildcards):
@@ -231,7 +268,7 @@ def lm_eval_prefetched():
 
 
 def model_dirs():
-    return [paths.model(run) for run in RUNS]
+    return [paths.model(run) for run in PLAN.reported_runs]
 
 
 def perplexity_files():
@@ -244,6 +281,15 @@ def perplexity_files():
 
 def recall_files():
     return [paths.recall(run, RUNS[run].dataset) for run in PLAN.recall_runs]
+
+
+def longctx_files():
+    return [paths.longctx(run, dataset) for run in PLAN.longctx_runs for dataset in PLAN.longctx_targets(run)]
+
+
+def longctx_summary():
+    """The suite's summary, where a run is trained on it (not yet a table of dimattn.reporting)."""
+    return [paths.summary("longctx")] if PLAN.longctx_runs else []
 
 
 def lm_eval_files():

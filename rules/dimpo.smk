@@ -50,7 +50,7 @@ rule capture_qkv:
         source=dimpo_model_source,
         capture=lambda wc: PLAN.dimpo_capture(wc.model),
         hparams=PLAN.dimpo["hparams"],
-        device=PLAN.config["device"],
+        device=DEVICE,
     script:
         "../workflow_scripts/capture_qkv.py"
 
@@ -62,22 +62,12 @@ rule fit_projection:
         fit=paths.capture("{model}", "fit"),
         eval=paths.capture("{model}", "eval"),
     output:
-        projections=paths.projection(
-            "{model}", "{objective}", "{setting}", "{d_prime}", "{seed}"
-        ),
-        fidelity=paths.fidelity(
-            "{model}", "{objective}", "{setting}", "{d_prime}", "{seed}"
-        ),
+        projections=paths.projection(*FIT),
+        fidelity=paths.fidelity(*FIT),
     log:
-        paths.log("dimpo", "fit_{model}_{objective}_{setting}_d{d_prime}_s{seed}"),
+        paths.log("dimpo", f"fit_{FIT_STEM}"),
     benchmark:
-        paths.bench(
-            "fit_projection", "fit_{model}_{objective}_{setting}_d{d_prime}_s{seed}"
-        )
-    wildcard_constraints:
-        setting=r"[^/]+",
-        d_prime=r"\d+",
-        seed=r"\d+",
+        paths.bench("fit_projection", f"fit_{FIT_STEM}")
     conda:
         "../envs/torch.yaml"
     threads: PLAN.dimpo["resources"]["threads"]
@@ -89,7 +79,7 @@ rule fit_projection:
     params:
         hparams=lambda wc: PLAN.dimpo["hparams"]
         | {"seed": int(wc.seed), "setting": PLAN.dimpo_settings[wc.setting]},
-        device=PLAN.config["device"],
+        device=DEVICE,
     script:
         "../workflow_scripts/fit_projection.py"
 
@@ -102,32 +92,11 @@ rule project_model:
         base=dimpo_model_dir,
         projections=projected_input,
     output:
-        directory(
-            paths.projected_model(
-                "{model}",
-                "{objective}",
-                "{setting}",
-                "{d_prime}",
-                "{l}",
-                "{kv}",
-                "{seed}",
-            )
-        ),
+        directory(paths.projected_model(*PROJECTED)),
     log:
-        paths.log(
-            "dimpo",
-            "project_{model}_{objective}_{setting}_d{d_prime}_l{l}_{kv}_s{seed}",
-        ),
+        paths.log("dimpo", f"project_{PROJECTED_STEM}"),
     benchmark:
-        paths.bench(
-            "project_model",
-            "project_{model}_{objective}_{setting}_d{d_prime}_l{l}_{kv}_s{seed}",
-        )
-    wildcard_constraints:
-        setting=r"[^/]+",
-        d_prime=r"\d+",
-        l=r"\d+",
-        seed=r"\d+",
+        paths.bench("project_model", f"project_{PROJECTED_STEM}")
     conda:
         "../envs/torch.yaml"
     threads: 1
@@ -144,30 +113,16 @@ rule project_model:
 
 rule score_projected:
     input:
-        model=paths.projected_model(
-            "{model}", "{objective}", "{setting}", "{d_prime}", "{l}", "{kv}", "{seed}"
-        ),
+        model=paths.projected_model(*PROJECTED),
         tokens=projected_tokens,
         recall=projected_recall_tokens,
         lm_eval_data=lm_eval_data_files(),
     output:
-        paths.downstream(
-            "{model}", "{objective}", "{setting}", "{d_prime}", "{l}", "{kv}", "{seed}"
-        ),
+        paths.downstream(*PROJECTED),
     log:
-        paths.log(
-            "dimpo", "score_{model}_{objective}_{setting}_d{d_prime}_l{l}_{kv}_s{seed}"
-        ),
+        paths.log("dimpo", f"score_{PROJECTED_STEM}"),
     benchmark:
-        paths.bench(
-            "score_projected",
-            "score_{model}_{objective}_{setting}_d{d_prime}_l{l}_{kv}_s{seed}",
-        )
-    wildcard_constraints:
-        setting=r"[^/]+",
-        d_prime=r"\d+",
-        l=r"\d+",
-        seed=r"\d+",
+        paths.bench("score_projected", f"score_{PROJECTED_STEM}")
     conda:
         "../envs/lm_eval.yaml"
     threads: 1
@@ -192,7 +147,7 @@ rule score_projected:
         corpora=lambda wc: (
             PLAN.perplexity_datasets if PLAN.dimpo_probe(wc.model) == "text" else []
         ),
-        device=PLAN.config["device"],
+        device=DEVICE,
     script:
         "../workflow_scripts/score_projected.py"
 
@@ -220,6 +175,6 @@ rule latency:
     params:
         source=dimpo_model_source,
         latency=PLAN.latency,
-        device=PLAN.config["device"],
+        device=DEVICE,
     script:
         "../workflow_scripts/latency.py"

@@ -32,7 +32,7 @@ rule score_text:
         lm_eval=lm_eval_params(),
         # each task's result as it finishes: a rerun scores only the tasks missing
         lm_eval_partial=lambda wc: f"{paths.checkpoints(wc.run)}/lm_eval",
-        device=PLAN.config["device"],
+        device=DEVICE,
     script:
         "../workflow_scripts/score_text.py"
 
@@ -60,7 +60,7 @@ rule perplexity:
     params:
         perplexity=score_params,
         lm_eval=None,
-        device=PLAN.config["device"],
+        device=DEVICE,
     script:
         "../workflow_scripts/score_text.py"
 
@@ -86,6 +86,34 @@ rule recall:
         gpu=gpu_count(),
     params:
         batch_size=PLAN.config["evaluation"]["recall"]["batch_size"],
+        device=DEVICE,
+        corpus=lambda wc: wc.dataset,
+    script:
+        "../workflow_scripts/recall.py"
+
+
+# The long-context suite (dimattn.longctx), on the run's own corpus and evaluation.longctx.datasets.
+rule longctx:
+    input:
+        model=paths.model("{run}"),
+        tokens=paths.tokens("{dataset}", "test"),
+    output:
+        paths.longctx("{run}", "{dataset}"),
+    log:
+        paths.log("evaluate", "longctx_{run}_{dataset}"),
+    benchmark:
+        paths.bench("longctx", "longctx_{run}_{dataset}")
+    wildcard_constraints:
+        dataset=one_of(PLAN.longctx_datasets),
+    conda:
+        "../envs/lm_eval.yaml"  # lm-eval's RULER string match
+    threads: 1
+    resources:
+        runtime=scaled(30, "runtime"),
+        mem_mb=scaled(4000, "mem_mb"),
+        gpu=gpu_count(),
+    params:
+        batch_size=PLAN.config["evaluation"]["longctx"]["batch_size"],
         device=PLAN.config["device"],
         corpus=lambda wc: wc.dataset,
     script:

@@ -53,7 +53,7 @@ rule pretrain:
     params:
         spec=run_spec,
         checkpoint_dir=lambda wc: paths.checkpoints(wc.run),
-        device=PLAN.config["device"],
+        device=DEVICE,
         nproc=lambda wc: PRETRAIN_LAYOUT[wc.run][0],
         nodes=lambda wc: PRETRAIN_LAYOUT[wc.run][1],
     script:

@@ -7,7 +7,7 @@ import functools
 from dimattn.reporting import outputs
 
 REPORT_ASKS = dict(
-    runs=[run.fields for run in PLAN.runs.values()],
+    runs=[PLAN.runs[run].fields for run in PLAN.reported_runs],
     lm_eval=bool(PLAN.lm_eval_runs),
     dimpo=PLAN.dimpo_studies,
 )
@@ -66,6 +66,26 @@ rule summarize_lm_eval:
         paths.log("report", "summarize_lm_eval"),
     benchmark:
         paths.bench("summarize_lm_eval", "summarize_lm_eval")
+    conda:
+        "../envs/report.yaml"
+    threads: 1
+    resources:
+        runtime=scaled(5, "runtime"),
+        mem_mb=scaled(1000, "mem_mb"),
+    script:
+        "../workflow_scripts/summarize.py"
+
+
+# One row per long-context run, suite corpus and subtask, plus the average.
+rule summarize_longctx:
+    input:
+        longctx_files(),
+    output:
+        paths.summary("longctx"),
+    log:
+        paths.log("report", "summarize_longctx"),
+    benchmark:
+        paths.bench("summarize_longctx", "summarize_longctx")
     conda:
         "../envs/report.yaml"
     threads: 1

@@ -237,7 +237,7 @@ def write_fidelity_summary(root: Path, summary: Path, seeds=(0,)) -> Path:
     return out
 
 
-# Downstream scores of projected models (dimattn.evaluation.score_projected): per objective, the
+# Downstream scores of projected models (dimattn.dimpo_scoring.score_projected): per objective, the
 # next-line accuracy and perplexity at l = 0 (base), 2 and 4 of 4 layers.
 DOWNSTREAM = {
     ("base", 0): (0.40, 50.0),

@@ -51,13 +51,13 @@ LAZY = {
     # prepare_hf_corpus alone imports datasets (rule prepare_documents, envs/data.yaml); the rules
     # in envs/torch.yaml reach dimattn.data for load_tokens and read_documents only.
     ("dimattn.data", "datasets"): {"pretrain", "perplexity", "recall", "capture_qkv"},
-    # lm_eval_results and prefetch import lm-eval in the function.
-    # rule perplexity shares workflow_scripts/score_text.py with score_text but has
-    # params.lm_eval=None, so it never calls run_lm_eval; recall reaches dimattn.evaluation for
-    # evaluate_recall alone.
+    # lm_eval_results imports lm-eval in the function (and dimattn.dimpo_scoring's prefetch,
+    # which only lm-eval rules reach). rule perplexity shares workflow_scripts/score_text.py with
+    # score_text but has params.lm_eval=None, so it never calls run_lm_eval; recall reaches
+    # dimattn.evaluation for evaluate_recall alone.
     ("dimattn.evaluation", "lm-eval"): {"perplexity", "recall"},
-    # prefetch alone imports dimattn/lm_eval_tasks/ruler_qa.py (requests, for RULER QA's files).
-    ("dimattn.evaluation", "requests"): {"perplexity", "recall"},
+    # the suite's generator (rule generate_recall) never scores: example_score imports lm-eval.
+    ("dimattn.longctx", "lm-eval"): {"generate_recall"},
 }
 
 

@@ -242,3 +242,15 @@ def test_table4_scores_only_documents_whose_context_reaches_the_window(scored_ru
     # run_lm_eval takes the window from the run: a vanilla run has none, so keeps every document
     record = evaluation.run_lm_eval(scored_run, tasks, 2, None, tmp_path / "out.json", exclude_shorter_than_window=True)
     assert record["window"] is None and "context_filter" not in record and record["results"] == full["results"]
+
+
+def test_lm_eval_builds_no_environment_report(scored_run, monkeypatch):
+    # torch's collect_env (pip list, lscpu in subprocesses) ran once a task for fields never kept
+    import lm_eval.evaluator
+    import torch.utils.collect_env
+
+    reports, kept = [], lm_eval.evaluator.add_env_info
+    monkeypatch.setattr(torch.utils.collect_env, "get_pretty_env_info", lambda: reports.append(1) or "")
+    out = evaluation.lm_eval_results(scored_run, [{"name": evaluation.NEXT_LINE_TASK}], 2, 2)
+    assert reports == [] and evaluation.NEXT_LINE_TASK in out["results"]
+    assert lm_eval.evaluator.add_env_info is kept  # lm-eval's own again once the call returns

@@ -394,7 +394,7 @@ def test_registry_holds_every_objective_with_the_authors_settings():
         "random", "pca", "triplet", "cpo", "simpo", "orpo", "kl", "dimpo", "dimpo_list", "dimpo_kl",
     }  # fmt: skip
     d = {name: dict(o.defaults) for name, o in OBJECTIVES.items()}
-    assert d["dimpo"] == dict(lr=1e-4, batch_size=1, beta=1.0, gamma=1e-4, k=64, lam=1.0)
+    assert d["dimpo"] == dict(lr=1e-4, batch_size=1, beta=1.0, gamma=1e-4, k_share=1 / 64, lam=1.0)
     assert d["dimpo_list"]["k"] == 0 and d["dimpo_kl"]["kl_weight"] == 1.0
     assert d["simpo"] == dict(lr=1e-3, batch_size=32, beta=1.0, gamma=1.0)
     assert d["orpo"] == dict(lr=1e-3, batch_size=32, lam=0.1)

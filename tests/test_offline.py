@@ -15,7 +15,7 @@ import pytest
 from huggingface_hub.utils import filter_repo_objects
 
 from dimattn import resources
-from dimattn.evaluation import HUB_MODEL_FILES, HUB_MODEL_SKIP
+from dimattn.dimpo_scoring import HUB_MODEL_FILES, HUB_MODEL_SKIP
 
 REPO = Path(__file__).resolve().parents[1]
 

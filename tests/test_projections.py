@@ -115,7 +115,7 @@ def test_projected_logits_are_the_affine_attention_up_to_a_constant(capture):
 
 # ---- settings ------------------------------------------------------------------------------------
 
-OBJECTIVE_FIELDS = {"beta", "gamma", "k", "lam", "kl_weight", "margin", "lr", "batch_size"}
+OBJECTIVE_FIELDS = {"beta", "gamma", "k", "k_share", "lam", "kl_weight", "margin", "lr", "batch_size"}
 
 
 def test_presets_pin_every_field_but_the_per_objective_ones():
@@ -165,6 +165,73 @@ def test_a_study_setting_applies_last_and_may_switch_the_preset():
     st = resolve_settings("dimpo", hparams | {"setting": {"k": 8, "lam": 2}})
     assert (st.preset, st.k, st.lam, st.max_preferred) == ("ours", 8, 2, 64)
     assert resolve_settings("dimpo", hparams | {"setting": {}}) == resolve_settings("dimpo", hparams)
+
+
+def naive_top_k(share, n_keys):
+    """The k in 1..n_keys nearest share x n_keys, a tie to the larger (round half up)."""
+    target = share * n_keys
+    return min(range(1, n_keys + 1), key=lambda j: (abs(j - target), -j))
+
+
+@pytest.mark.parametrize("n_keys", [2, 3, 48, 64, 100, 256, 4096])
+def test_k_share_resolves_to_the_nearest_k_of_the_key_list(n_keys):
+    from dimattn.settings import resolve_top_k
+
+    for share in (1 / 128, 1 / 64, 0.01, 1 / 32, 0.1, 0.25, 0.5, 0.7, 0.99):
+        assert resolve_top_k(64, share, n_keys) == naive_top_k(share, n_keys), share
+    assert resolve_top_k(64, 1 / 64, 4096) == 64  # the paper's k
+    assert resolve_top_k(7, None, n_keys) == 7
+
+
+def test_k_share_follows_the_merge_order_and_a_later_k_clears_it():
+    st = resolve_settings("dimpo")  # the objective's default: the paper's share
+    assert (st.k_share, st.lam) == (1 / 64, 1.0)
+    assert resolve_settings("dimpo", {"setting": {"k": 0, "lam": 0}}).k_share is None  # Table 6's k = 0 row
+    st = resolve_settings("dimpo", {"k": 8, "per_objective": {"dimpo": {"k_share": 0.25}}})
+    assert (st.k, st.k_share) == (8, 0.25)  # the share, later, is what the fit resolves
+    assert resolve_settings("dimpo_list").k_share is None
+    with pytest.raises(ValueError, match="k_share"):
+        resolve_settings("dimpo", {"k_share": 1.0})
+
+
+def test_a_head_term_over_every_key_is_refused_at_its_boundary(capture):
+    from dimattn.projections import with_top_k
+
+    n_keys = capture[0]["k"].shape[2]  # 48
+    fast = {**FAST, "steps": 2}
+    with pytest.raises(ValueError, match=r"k=48 reaches the 48 keys"):
+        fit_layer(capture[0], "dimpo", 4, fast | {"k": n_keys}, progress=False)
+    fit_layer(capture[0], "dimpo", 4, fast | {"k": n_keys - 1}, progress=False)
+    with pytest.raises(ValueError, match=r"k_share=0\.99 \(k=48\)"):
+        fit_layer(capture[0], "dimpo", 4, fast | {"k_share": 0.99}, progress=False)
+    assert with_top_k(resolve_settings("dimpo", {"k": 48, "lam": 0}), 48).k == 48  # no head term: allowed
+    assert with_top_k(resolve_settings("dimpo"), 48).k == 1
+    with pytest.raises(ValueError, match="8 keys"):  # Appendix B's sampled keys are the list
+        fit_layer(capture[0], "dimpo", 4, fast | {"k": 8, "num_sampled_keys": 8}, progress=False)
+    fit_layer(capture[0], "kl", 4, fast | {"k": n_keys}, progress=False)  # KL reads no k
+
+
+def test_dimpo_differs_from_kl_once_k_is_a_share_of_the_list(capture):
+    """With k = every key, DimPO's head is -sum psi log p, KL plus a constant: the same gradient
+    (the listwise term is ~1e-6 of it), so the two fit the same projection. The paper's share
+    keeps the head on the top keys, and the fits part."""
+    st = resolve_settings("kl", {"query_stride": 1})
+    batch = build_instances(capture[0], st, torch.Generator().manual_seed(0)).batch(torch.arange(64))
+    proj = Affine(some_affine().W.requires_grad_(), some_affine().b)
+
+    def grad(objective, hparams=None):
+        logits = projected_logits(proj, batch["query"], batch["keys"], 0.5)
+        loss = OBJECTIVES[objective](logits, batch["psi"], batch["mask"], hparams=hparams)
+        return torch.autograd.grad(loss, proj.W)[0].flatten()
+
+    every = F.cosine_similarity(grad("dimpo", {"k": 48}), grad("kl"), dim=0)
+    share = F.cosine_similarity(grad("dimpo", {"k": 1}), grad("kl"), dim=0)
+    assert every > 0.999 and share < 0.99, (every, share)
+    hp = {**FAST, "steps": 30}
+    fits = {o: fit_layer(capture[0], o, 4, hp, seed=3, progress=False)[0] for o in ("kl", "dimpo")}
+    same = fit_layer(capture[0], "dimpo", 4, hp | {"k": 47}, seed=3, progress=False)[0]
+    gap = lambda a, b: float((a.W - b.W).norm() / b.W.norm())  # noqa: E731
+    assert gap(fits["dimpo"], fits["kl"]) > 10 * gap(same, fits["kl"]), (gap(fits["dimpo"], fits["kl"]), gap(same, fits["kl"]))
 
 
 # ---- instances and pairs --------------------------------------------------------------------------

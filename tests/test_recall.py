@@ -436,7 +436,8 @@ def test_score_projected_runs_the_probe_through_a_projected_directory(tmp_path):
     record, as the prediction through the directory's own cache gives it."""
     from dimattn import DimAttnConfig, DimAttnForCausalLM
     from dimattn.affine import Affine, save_projections
-    from dimattn.evaluation import load_model, score_projected
+    from dimattn.dimpo_scoring import score_projected
+    from dimattn.evaluation import load_model
     from dimattn.modeling_projected import save_projected_model
     from dimattn.recall import find_queries, load_examples, predict_through_cache
 

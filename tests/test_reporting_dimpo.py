@@ -156,3 +156,13 @@ def test_ablation_table_adds_the_projected_models_long_context_average(tmp_path)
     assert r"41.0 {\scriptsize[40.0, 42.0]}" in k0
     k64 = [c.strip() for c in table_line(tex, "DimPO ($k{=}64$, $\\lambda{=}1$)").rstrip(" \\").split("&")]
     assert r"61.0 {\scriptsize[60.0, 62.0]}" in k64 and k64[-2:] == ["52.4", "65.9"]  # the paper's RULER 4k
+
+
+def test_a_k_share_row_of_table6_meets_the_papers_k_it_stands_for():
+    """k_share 1/64 of our lists is the paper's k = 64 of its 4,096 keys: that row of Table 6."""
+    from dimattn.reporting.dimpo import _parse_setting
+
+    assert _parse_setting("k_share=0.015625,lam=1") == (64, 1.0)
+    assert _parse_setting("k_share=0.0078125,lam=0.5") == (32, 0.5)
+    assert _parse_setting("k=64,lam=2") == (64, 2.0) and _parse_setting("k=0,lam=0") == (0, 0.0)
+    assert _parse_setting("k_share=0.015625") is None and _parse_setting("default") is None

@@ -116,6 +116,21 @@ def hf_dataset(splits):
 
 THREE = {"train": {"split": "train"}, "validation": {"split": "validation"}, "test": {"split": "test"}}
 
+TABLE6 = {"objectives": ["dimpo"], "d_prime": [4]}
+LONG_SCALE = {"dataset": "longctx", "architecture": {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 2},
+              "training": {"seq_len": 128, "batch_size": 8, "max_steps": 10}}  # fmt: skip
+
+
+def with_long(c, x2=True):
+    """The long-context suite at 128 tokens (and 256, scored only), a 6-layer scale trained on it."""
+    c["datasets"]["longctx"] = {"source": "synthetic_longctx", "seq_len": 128}
+    c["pretraining"]["scales"]["long"] = copy.deepcopy(LONG_SCALE)
+    c["pretraining"]["sweeps"].append({"scale": "long", "attention": "vanilla"})
+    if x2:
+        c["datasets"]["longctx_x2"] = {"source": "synthetic_longctx", "seq_len": 256, "n_train": 16}
+        c["evaluation"]["longctx"] = {"datasets": ["longctx_x2"]}
+    return c
+
 BAD = {
     # a Hugging Face corpus's split ranges, as dimattn.data reads them
     "hf splits overlap": (hf_dataset(THREE | {"test": {"split": "train", "start": 100, "stop": 200}}),
@@ -259,6 +274,29 @@ BAD = {
     "downstream snapkv budget = window": (lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 32,
                                                                                               "window": 32}}]),
                                           "dimpo.downstream.kv[0].snapkv.budget"),
+    # DimPO's head over every key of the list is KL plus a constant (tiny-vanilla: 256 keys)
+    "table6 k = every key": (lambda c: c["dimpo"]["ablations"].update(table6=TABLE6 | {"settings": [{"k": 256, "lam": 1}]}),
+                             "dimpo.ablations.table6.settings[0].k: k=256 reaches the 256 keys of 'tiny-vanilla'"),
+    "k_share rounding to every key": (
+        lambda c: c["dimpo"]["hparams"]["per_objective"]["dimpo"].update(k_share=0.999),
+        "dimpo.hparams.per_objective.dimpo.k_share: k=256 reaches the 256 keys"),
+    "k of a recall capture": (
+        lambda c: (c["dimpo"]["models"].append(RECALL_MODEL),
+                   c["dimpo"]["ablations"].update(table6=TABLE6 | {"settings": [{"k": 64, "lam": 1}]})),
+        "dimpo.ablations.table6.settings[0].k: k=64 reaches the 64 keys of 'recall-vanilla'"),
+    "k and k_share at once": (lambda c: c["dimpo"]["ablations"].update(
+        table6=TABLE6 | {"settings": [{"k": 4, "k_share": 0.25}]}), "dimpo.ablations.table6.settings[0].k_share"),
+    "k_share of 1": (lambda c: c["dimpo"]["hparams"].update(k_share=1), "k_share"),
+    # the long-context suite
+    "suite scored on a recall corpus": (lambda c: (with_long(c), c["evaluation"]["longctx"].update(datasets=["recall"])),
+                                        "evaluation.longctx.datasets[0]: 'recall' is not a synthetic_longctx corpus"),
+    "suite scored in another vocabulary": (lambda c: (with_long(c), c["datasets"]["longctx_x2"].update(n_keys=32)),
+                                           "datasets.longctx_x2.n_keys: 32 differs from 'longctx'"),
+    "suite run projected": (lambda c: (with_long(c), c["dimpo"]["models"].append({"name": "x", "run": "long-vanilla"})),
+                            "dimpo.models[1].run: run 'long-vanilla' is trained on the long-context suite"),
+    "suite training off its examples": (lambda c: (with_long(c), c["pretraining"]["scales"]["long"]["training"].update(
+        seq_len=256)), "pretraining.scales.long.training.seq_len: 256 must equal datasets.longctx.seq_len=128"),
+    "suite unknown subtask": (lambda c: (with_long(c), c["datasets"]["longctx"].update(subtasks=["passkey"])), "passkey"),
     "downstream kv both methods": (lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 64},
                                                                 "kivi": {"bits": 2}}]), "oneOf"),
 }
@@ -271,6 +309,47 @@ def test_bad_config_is_refused_naming_the_key(case):
         plan_of(mutated(mutate))
     assert culprit in str(err.value), str(err.value)[-2000:]
     assert not isinstance(err.value, (KeyError, TypeError, AttributeError)), repr(err.value)
+
+
+def test_a_head_term_one_key_short_of_the_list_is_planned():
+    """The boundary of "table6 k = every key": k = keys - 1 is DimPO, not KL."""
+    table6 = TABLE6 | {"settings": [{"k": 255, "lam": 1}, {"k_share": 0.015625, "lam": 1}, {"k": 256, "lam": 0}]}
+    plan = plan_of(mutated(lambda c: c["dimpo"]["ablations"].update(table6=table6)))
+    assert [f.setting for f in plan.dimpo_fits if f.study == "table6"] == [
+        "k=255,lam=1", "k_share=0.015625,lam=1", "k=256,lam=0"]
+    # the objective's default needs no config k: the paper's share, 4 of tiny-vanilla's 256 keys
+    assert "k" not in DEFAULT["dimpo"]["hparams"]["per_objective"]["dimpo"]
+
+
+def test_a_long_context_run_is_scored_on_the_suite_alone():
+    plan = plan_of(mutated(with_long))
+    assert plan.longctx_runs == ["long-vanilla"] and plan.longctx_datasets == ["longctx", "longctx_x2"]
+    assert "long-vanilla" not in plan.recall_runs + plan.text_runs + plan.lm_eval_runs + plan.reported_runs
+    assert plan.perplexity_targets("long-vanilla") == [] and plan.longctx_targets("long-vanilla") == ["longctx", "longctx_x2"]
+    assert plan.runs["long-vanilla"].synthetic and plan.is_synthetic("longctx_x2")
+    assert plan_of(mutated(lambda c: with_long(c, x2=False))).longctx_targets("long-vanilla") == ["longctx"]
+    assert plan_of(DEFAULT).longctx_runs == [] and plan_of(DEFAULT).reported_runs == list(plan_of(DEFAULT).runs)
+
+
+def test_long_context_defaults_are_the_generator_defaults():
+    from dataclasses import fields
+
+    from dimattn.longctx import LongContextSettings
+
+    schema = yaml.safe_load((REPO / "schemas/config.schema.yaml").read_text())
+    branches = schema["properties"]["datasets"]["additionalProperties"]["allOf"]
+    suite = next(b["then"] for b in branches if b["if"]["properties"]["source"]["const"] == "synthetic_longctx")
+    defaults = {k: v["default"] for k, v in suite["properties"].items() if "default" in v}
+    generator = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default for f in fields(LongContextSettings)}
+    assert defaults == {k: v for k, v in generator.items() if k in defaults}
+    assert set(defaults) == set(generator) - {"seq_len"}
+    assert set(sweeps.LONGCTX_VOCABULARY) <= set(generator)
+
+
+def test_the_planned_head_objectives_are_those_reading_k():
+    from dimattn.objectives import OBJECTIVES
+
+    assert set(sweeps.HEAD_OBJECTIVES) == {name for name, o in OBJECTIVES.items() if "k" in o.hparams}
 
 
 def test_snapkv_budget_one_past_the_window_is_planned():
@@ -336,7 +415,7 @@ def test_the_paper_grids_reach_every_layer_as_the_authors_ran_them():
     """configs/paper.yaml: each hub model's l to 100 % of its layers with Table 4's shares as
     lanzv/dimpo rounded them; harness tasks at d' 64, 16, 4, 1, RULER at 64; Table 5 on
     Llama-3.1-8B alone; Table 6's KL and DimPO + KL projected where its ablation is."""
-    from dimattn.evaluation import downstream_tasks
+    from dimattn.dimpo_scoring import downstream_tasks
 
     config = copy.deepcopy(DEFAULT)
     for key, value in PAPER.items():  # Snakemake's --configfile merge: mappings merge, the rest replaces

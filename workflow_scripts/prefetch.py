@@ -6,7 +6,7 @@ with logged(snakemake):
     from dimattn.resources import online
 
     online()  # a download rule (localrules): the user's network settings, not the jobs' offline ones
-    from dimattn.evaluation import prefetch
+    from dimattn.dimpo_scoring import prefetch
 
     p = snakemake.params
     prefetch(models=p.models, tasks=p.tasks, metadata=p.metadata, out_json=Path(snakemake.output[0]),

@@ -8,5 +8,5 @@ with logged(snakemake):
     wc, p = snakemake.wildcards, snakemake.params
     projections = Path(snakemake.input.projections) if snakemake.input.projections else None
     save_projected_model(out_dir=Path(snakemake.output[0]), base_model=str(p.source), projections_path=projections,
-                         num_projected=int(wc.l), scale=p.scale, kv=p.kv,
+                         num_projected=int(wc.num_projected), scale=p.scale, kv=p.kv,
                          meta={"model": wc.model, "kv_name": wc.kv})

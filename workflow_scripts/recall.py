@@ -3,9 +3,11 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.evaluation import evaluate_recall
+    from dimattn import evaluation
 
-    evaluate_recall(
+    # the recall probe, or the long-context suite: a run scored on one synthetic corpus
+    evaluate = {"recall": evaluation.evaluate_recall, "longctx": evaluation.evaluate_longctx}[snakemake.rule]
+    evaluate(
         model_dir=Path(snakemake.input.model),
         tokens_bin=Path(snakemake.input.tokens),
         out_json=Path(snakemake.output[0]),

@@ -3,7 +3,7 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.evaluation import score_projected
+    from dimattn.dimpo_scoring import score_projected
     from dimattn.kv_compression import kv_fields
     from dimattn.modeling_projected import ProjectedConfig
 
@@ -11,7 +11,7 @@ with logged(snakemake):
     model_dir = Path(snakemake.input.model)
     config = ProjectedConfig.from_pretrained(model_dir)
     fields = {"model": wc.model, "objective": wc.objective, "setting": wc.setting, "d_prime": int(wc.d_prime),
-              "num_projected": int(wc.l),
+              "num_projected": int(wc.num_projected),
               "n_layers": config.dimattn_fit.get("n_layers"), "scale": config.scale, "kv": wc.kv,
               **kv_fields(config.kv), "seed": int(wc.seed)}
     ds = p.downstream

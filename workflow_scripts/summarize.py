@@ -10,6 +10,7 @@ with logged(snakemake):
         "summarize_trajectory": summaries.summarize_trajectory,
         "summarize_lm_eval": summaries.summarize_lm_eval,
         "summarize_recall": summaries.summarize_recall,
+        "summarize_longctx": summaries.summarize_longctx,
         "summarize_fidelity": summaries.summarize_fidelity,
         "summarize_downstream": summaries.summarize_downstream,
         "summarize_latency": summaries.summarize_latency,

@@ -257,7 +257,7 @@ def subtask_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pa
     ref = paper.read(reference_dir, "dimpo_ruler_subtasks")
     paper_columns = [*RULER_GROUPS, "RULER_avg"]
     for (source, model), part in ref.groupby(["source", "model"], sort=False):
-        l = part.loc[part["method"] != "base", "layers_projected"].iloc[0]
+        l = part.loc[part["method"] != "base", "num_projected"].iloc[0]
         groups.append({"title": Tex(latex.escape(f"paper ({source}): {model}, RULER 4k, ") + rf"$l{{=}}{l}$"),
                        "columns": [c if c != "RULER_avg" else "avg" for c in paper_columns]})
         table = {}
@@ -320,7 +320,7 @@ def kv_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -
                          "cells": [cell(by_kind[(k, v)], lambda x: fmt(x, 1)) if (k, v) in by_kind else MISSING
                                    for (k, v, _), _ in slots]})  # fmt: skip
     for length in ("ruler_4k", "ruler_8k"):
-        for i, (l, line) in enumerate(ref.groupby(["model", "layers_projected"], sort=False)):
+        for i, (l, line) in enumerate(ref.groupby(["model", "num_projected"], sort=False)):
             by_kind = {paper_kinds[r["compression"]]: float(r[length]) for _, r in line.iterrows()}
             label = f"paper: {l[0]}, RULER {length[-2:]}, DimPO, l = {l[1]}"
             body.append({"label": Tex(latex.escape(label)), "space": i == 0,

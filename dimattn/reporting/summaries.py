@@ -49,6 +49,8 @@ COLUMNS = {
     "lm_eval": RUN_FIELDS + ["task", "metric", "value", "stderr"],
     "recall": RUN_FIELDS
     + ["corpus", "split", "scope", "bin", "min_distance", "max_distance", "accuracy", "n", "chance"],
+    # dimattn.longctx.score_suite: a row per subtask and one "average" (RULER's), scores in %
+    "longctx": RUN_FIELDS + ["corpus", "split", "seq_len", "subtask", "score", "exact", "n"],
     # study: Table 1's (MAIN_STUDY: Figures 2-3, Tables 2-5) or one of dimpo.downstream.studies
     # (table6: Table 6's RULER column); a model scored for two has rows in both.
     "dimpo_downstream": ["study"] + DOWNSTREAM_FIELDS + ["task", "metric", "value", "stderr"],
@@ -371,6 +373,37 @@ def summarize_recall(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | 
     return df
 
 
+LONGCTX_KEYS = ("corpus", "seq_len", "subtasks", "average")
+
+
+def summarize_longctx(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
+    """Tidy long-context suite scores: per (run, corpus) a row per subtask (score: lm-eval's
+    RULER string match in %, exact: whole-answer matches in %, n: examples) and one row
+    ``subtask = average`` (the mean score over subtasks, n the examples of all)."""
+    rows, seen = [], {}
+    for path in jsons:
+        record = json.loads(Path(path).read_text())
+        missing = [k for k in LONGCTX_KEYS if k not in record]
+        if missing:
+            raise ValueError(f"{path}: long-context record lacks {missing}; expected {list(LONGCTX_KEYS)}")
+        fields = _run_fields(record, path) | {"corpus": record["corpus"], "split": record.get("split") or "",
+                                              "seq_len": record["seq_len"]}  # fmt: skip
+        key = (fields["run"], fields["corpus"])
+        if key in seen:
+            raise ValueError(f"run {key[0]!r} on corpus {key[1]!r} appears twice: {seen[key]} and {path}")
+        seen[key] = path
+        subtasks = record["subtasks"]
+        rows += [fields | {"subtask": name, "score": v["score"], "exact": v["exact"], "n": v["n"]}
+                 for name, v in subtasks.items()]  # fmt: skip
+        rows.append(fields | {"subtask": "average", "score": record["average"], "exact": None,
+                              "n": sum(v["n"] for v in subtasks.values())})  # fmt: skip
+    if not rows:
+        raise ValueError("summarize_longctx got no long-context JSON files")
+    df = _sort_runs(_as_int(pd.DataFrame(rows)), ["corpus", "split"])[COLUMNS["longctx"]]
+    _write_csv(df, out_csv)
+    return df
+
+
 def summarize_fidelity(csvs: Iterable[os.PathLike | str], out_csv: os.PathLike | str,
                        studies: dict[str, list] | None = None) -> pd.DataFrame:  # fmt: skip
     """Concatenate the per-fit fidelity CSVs, one copy of a fit's rows per study it belongs to.
@@ -410,7 +443,7 @@ def recall_metrics(probe: dict) -> dict[str, float | None]:
 
 def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str,
                          studies: dict[str, list[str]] | None = None) -> pd.DataFrame:  # fmt: skip
-    """Projected models' scores (dimattn.evaluation.score_projected), long: one row per (study,
+    """Projected models' scores (dimattn.dimpo_scoring.score_projected), long: one row per (study,
     model, objective, setting, d', l, kv, task, metric); held-out perplexity as task
     "perplexity:<corpus>", metric "ppl"; the recall probe as task "recall:<corpus>", metrics of
     :func:`recall_metrics`. ``studies``: {json path: [study, ...]} (rules/common.smk

@@ -1,0 +1,96 @@
+"""DimPO at work (seed 003, Section 4): projected models (dimattn.modeling_projected) scored on
+held-out perplexity, the recall probe and lm-eval, and the prefetch of the hub models and task
+data that this scoring reads offline (the reporting of these scores: reporting/dimpo_downstream).
+
+The scorers themselves (perplexity, lm-eval's ``hf`` model) are those of our own runs, in
+dimattn.evaluation; this module says what a projected model is scored on.
+"""
+
+from pathlib import Path
+
+from .atomic import write_json
+from .data import load_tokens
+from .evaluation import lm_eval_results, load_model, perplexity
+from .lm_eval_tasks import TASKS_DIR, own_task_names
+
+
+# What AutoModelForCausalLM / AutoTokenizer.from_pretrained read of a hub model: config and
+# generation config, tokenizer files (json, sentencepiece, tiktoken, a chat template), weights as
+# safetensors. Not the rest of the repository: Llama's original/ (consolidated.*.pth, about the
+# size of the safetensors again), *.bin or *.pt duplicates, other formats.
+HUB_MODEL_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+HUB_MODEL_SKIP = ["original/*"]
+
+
+def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_json: Path,
+             lm_eval_tasks: list[dict] = (), allow_unsafe_code: bool = False,
+             ruler_qa_sources: dict | None = None) -> dict:  # fmt: skip
+    """Fill the Hugging Face cache on a machine with network (a SLURM login node), so that compute
+    nodes run offline: the files of each hub model that from_pretrained reads (HUB_MODEL_FILES),
+    and each lm-eval task built once with that model's tokenizer, which downloads its dataset
+    (RULER: the essays; nltk's punkt_tab) and generates RULER's samples at every
+    metadata.max_seq_lengths. RULER QA's SQuAD and HotpotQA, which lm-eval fetches into memory
+    only, are saved to files that our ruler_qa_* tasks read (lm_eval_tasks/ruler_qa.py), from
+    ``ruler_qa_sources`` where given. ``lm_eval_tasks``: our runs' (evaluation.lm_eval.tasks,
+    Table 4), built once for their datasets; MBPP's, which loads and tries evaluate's code_eval
+    as it is built, only with ``allow_unsafe_code`` (the config's opt-in)."""
+    import os
+
+    from huggingface_hub import snapshot_download
+    from lm_eval.tasks import TaskManager
+
+    names = [t["name"] for t in tasks]
+    if {"ruler_qa_squad", "ruler_qa_hotpot"} & set(names) or "ruler" in names:
+        from .lm_eval_tasks import ruler_qa
+
+        ruler_qa.fetch(ruler_qa_sources)
+    harness = [t["name"] for t in lm_eval_tasks if t["name"] not in own_task_names()]
+    if harness:
+        if allow_unsafe_code:
+            os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # MBPP's task file runs code_eval once as it loads
+        TaskManager(include_path=str(TASKS_DIR)).load_task_or_group(harness)
+    done = {}
+    for model in models:
+        snapshot_download(model, allow_patterns=HUB_MODEL_FILES, ignore_patterns=HUB_MODEL_SKIP)
+        if names:
+            manager = TaskManager(include_path=str(TASKS_DIR), metadata={"tokenizer": model, **(metadata or {})})
+            manager.load_task_or_group(names)
+        done[model] = names
+    write_json({"models": done, "lm_eval_tasks": harness, "metadata": metadata or {}}, out_json)
+    return done
+
+
+def downstream_tasks(tasks: list[dict], d_prime: int) -> list[dict]:
+    """The dimpo.downstream.tasks a projected model of width ``d_prime`` is scored on: those
+    whose ``d_prime`` lists it (or that give none); the base model (d' 0) takes every task."""
+    return [t for t in tasks if not d_prime or d_prime in t.get("d_prime", [d_prime])]
+
+
+def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_len: int, batch_size: int,
+                    max_tokens: int | None, tasks: list[dict], limit: int | None, out_json: Path,
+                    metadata: dict | None = None, device: str = "cpu",
+                    recall: dict[str, Path] | None = None) -> dict:  # fmt: skip
+    """A projected model directory (dimattn.modeling_projected) scored as our runs are: held-out
+    perplexity per corpus ({corpus: tokens.bin}), the recall probe per synthetic corpus
+    ({corpus: test tokens.bin}; the context prefilled and the questions decoded through the
+    model's KV cache, so that KV compression acts: dimattn.recall.score_recall, seed 003's RULER
+    at CPU scale) and lm-eval's `hf` model on those of ``tasks`` that score its d'
+    (downstream_tasks); JSON with ``fields`` (model, objective, d', l, kv, ...)
+    beside."""
+    from .recall import load_examples, score_recall
+
+    for path in (recall or {}).values():
+        load_examples(path)  # a damaged corpus fails before any scoring
+    record = {**fields, "perplexity": {}, "recall": {}, "results": {}, "num_fewshot": {}}
+    if tokens or recall:
+        model = load_model(model_dir, device)
+        for corpus, path in tokens.items():
+            record["perplexity"][corpus] = perplexity(model, load_tokens(path)[0], seq_len, batch_size, max_tokens)
+        for corpus, path in (recall or {}).items():
+            record["recall"][corpus] = score_recall(model, path, batch_size, through_cache=True)
+        del model
+    tasks = downstream_tasks(tasks, fields.get("d_prime", 0))  # a task's d_prime: the widths it scores
+    if tasks:
+        record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata))
+    write_json(record, out_json)
+    return record

@@ -1,0 +1,502 @@
+"""A long-context suite in the mould of RULER (Hsieh et al. 2024, "RULER: What's the Real Context
+Size of Your Long-Context Language Models?"; lm-eval's ``ruler`` tasks, seed 003's Tables 2-6),
+generated here at CPU scale from a seeded RNG and a small vocabulary: no download.
+
+Subtasks (``SUBTASKS``; the lm-eval task each stands for in ``RULER_TASK``)::
+
+    niah_single      one needle "k = v" in a haystack of words; asked k, answer v
+    niah_multikey    m needles of distinct keys; one is asked
+    niah_multivalue  m needles of one key with distinct values; answer all m, in context order
+    niah_multiquery  m needles of distinct keys; all m asked (shuffled), their values in that order
+    vt               variable tracking: chains "x0 = v", "x1 = x0", ... interleaved in the
+                     haystack; asked v, answer the asked chain's variables in assignment order
+    cwe              common words: the context is a list of words, cwe_words of them cwe_ratio
+                     times as frequent as any other; answer them in order of first appearance
+    fwe              frequent words: the context is drawn with Zipf counts (rank^-fwe_alpha,
+                     RULER's zeta distribution); answer the fwe_words most frequent, most first
+    qa               QA-like retrieval: qa_docs documents "<|doc|> title ... a = v ...", each
+                     with a fact on the same attribute a; asked (title, a), answer that doc's v
+
+One example is exactly ``seq_len`` tokens: ``<|bos|> context question <|query|> answer
+<|endoftext|>``, the question a task token and the subtask's arguments (above). The context takes
+what the question and the answer leave, so a subtask's prompt length is fixed at a given
+seq_len and a batch needs no padding. Examples cycle through the subtasks (example i is subtask
+i mod S). With ``answer_loss`` the corpus writes the answers' target mask, as dimattn.recall
+does. Needles sit at uniform random places (niah_single at ``needle_depth`` of the context
+when it is set: the needle heat map).
+
+Vocabulary (token ids)::
+
+    0 .. 4   dimattn.recall's specials (<|endoftext|> <|bos|> <|pad|> <|unk|> <|query|>),
+             <|query|> marking where the answer starts
+    5        =          needle, assignment and fact
+    6        <|doc|>    start of a qa document
+    7 ..     one task token a subtask, <|niah_single|> ...
+    then     keys k00 .., values v00 .., words w00 .. (n_keys, n_values, n_words)
+
+Names have a fixed width within a group and a letter of their own, so one name is a substring of
+a decoded prediction only where that token is in it: lm-eval's string matching on the decoded
+text is then token matching.
+
+Scoring (:func:`score_suite`): the prompt (through <|query|>) is prefilled into the model's KV
+cache, so SnapKV's observation window holds the question, and the answer is generated greedily
+through the cache, as many tokens as it has (lm-eval's RULER generates up to max_gen_toks,
+``until: []``); each generation is scored as lm-eval 0.4.13's RULER scores an example (the share
+of the answer's names found in the prediction: ``string_match_all``, and for qa
+``string_match_part``, which on one example is the same share), the mean per subtask, beside
+the exact match of the whole answer.
+
+Settings a model cannot answer are refused when the settings are made, naming the setting: a
+needle depth outside the context, a seq_len beyond ``max_positions`` (the model's, where one is
+given), more distinct keys, values or words than the vocabulary holds, or a context too short
+for its needles, chains, documents or word counts.
+"""
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from .data import DataError, load_tokens
+from .recall import BOS_ID, EOS_ID, MAX_VOCAB, QUERY_ID, RECALL_SPECIALS, decode_through_cache, split_rng
+from .recall import word_level_tokenizer, write_synthetic_corpus
+
+SOURCE = "synthetic_longctx"
+SUBTASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa")
+# the lm-eval (0.4) RULER task each subtask is modelled on (seed 003 averages 13 of them)
+RULER_TASK = {"niah_single": "niah_single_1", "niah_multikey": "niah_multikey_1", "niah_multivalue": "niah_multivalue",
+              "niah_multiquery": "niah_multiquery", "vt": "ruler_vt", "cwe": "ruler_cwe", "fwe": "ruler_fwe",
+              "qa": "ruler_qa_squad"}  # fmt: skip
+# lm-eval 0.4.13's RULER metric per subtask: process_results (string_match_all), and for its qa
+# tasks process_results_part (string_match_part), each on one example, then the mean.
+PART_SCORED = ("qa",)
+ASSIGN_ID, DOC_ID, TASK_START = 5, 6, 7
+NEEDLE = 3  # tokens of a needle, an assignment or a fact: "x = y"
+
+
+class SettingError(DataError):
+    """A setting no model could answer, or of the wrong type; ``setting`` names it."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(message)
+        self.setting = setting.split(" ")[0]  # "n_keys + n_values + n_words": the first
+
+
+@dataclass(frozen=True)
+class LongContextSettings:
+    """Generator settings; every field is checked, and an error names the field."""
+
+    seq_len: int = 256  # tokens per example, bos and eos included
+    subtasks: tuple[str, ...] = SUBTASKS
+    n_keys: int = 64  # needle keys, variable names and document titles
+    n_values: int = 64  # needle values, chain values and facts
+    n_words: int = 64  # haystack, common and frequent words, qa attributes
+    multikey_needles: int = 4  # RULER niah_multikey_1: 4 keys
+    multivalue_values: int = 4  # RULER: 4 values
+    multiquery_queries: int = 4  # RULER: 4 queries
+    vt_chains: int = 2  # RULER (lm-eval): 1 chain of 4 hops; a second chain makes the value matter
+    vt_hops: int = 4
+    cwe_words: int = 5  # RULER: 10 common words of 30 occurrences among words of 3
+    cwe_ratio: int = 2  # a common word is at least this many times as frequent as any other
+    fwe_words: int = 3  # RULER: the 3 most frequent
+    fwe_alpha: float = 2.0  # RULER's zeta exponent
+    qa_docs: int = 4
+    needle_depth: float | None = None  # niah_single's needle at this share of the context; None: uniform
+    max_positions: int | None = None  # the model's positions, where it has a limit
+    answer_loss: bool = True  # train on the answers only (meta "loss_mask")
+    n_train: int = 20000  # examples per split, cycling through the subtasks
+    n_validation: int = 256
+    n_test: int = 256
+    seed: int = 0
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("needle_depth", "max_positions") and value is None:
+                continue
+            if f.name == "subtasks":
+                continue
+            kind = {"answer_loss": bool, "fwe_alpha": (int, float), "needle_depth": (int, float)}.get(f.name, int)
+            if type(value) is bool and kind is not bool or not isinstance(value, kind):
+                raise SettingError(f.name, f"long-context setting {f.name} must be "
+                                           f"{getattr(kind, '__name__', 'a number')}, got {value!r}")  # fmt: skip
+        if isinstance(self.subtasks, list):
+            object.__setattr__(self, "subtasks", tuple(self.subtasks))
+        unknown = [t for t in self.subtasks if t not in SUBTASKS]
+        self._check("subtasks", bool(self.subtasks) and not unknown and len(set(self.subtasks)) == len(self.subtasks),
+                    f"a non-empty list of distinct subtasks of {SUBTASKS}")
+        self._check("seed", self.seed >= 0, ">= 0")
+        for name in ("n_keys", "n_values", "n_words", "multikey_needles", "multivalue_values", "multiquery_queries",
+                     "vt_chains", "vt_hops", "cwe_words", "cwe_ratio", "fwe_words", "qa_docs", "n_train",
+                     "n_validation", "n_test"):  # fmt: skip
+            self._check(name, getattr(self, name) >= 1, ">= 1")
+        self._check("fwe_alpha", self.fwe_alpha > 0, "> 0")
+        if self.needle_depth is not None:
+            self._check("needle_depth", 0 <= self.needle_depth <= 1, "in [0, 1]: a share of the context (beyond it "
+                                                                     "no needle can be placed)")
+        if self.max_positions is not None:
+            self._check("seq_len", self.seq_len <= self.max_positions,
+                        f"<= max_positions={self.max_positions}, the positions the model holds")
+        # distinct draws from a group need a group at least that large
+        need = {"niah_multikey": ("n_keys", self.multikey_needles), "niah_multiquery": ("n_keys", self.multiquery_queries),
+                "niah_multivalue": ("n_values", self.multivalue_values),
+                "vt": ("n_keys", self.vt_chains * (self.vt_hops + 1)), "cwe": ("n_words", self.cwe_words + 1),
+                "fwe": ("n_words", self.fwe_words + 1), "qa": ("n_keys", self.qa_docs)}  # fmt: skip
+        for task, (group, count) in need.items():
+            if task in self.subtasks:
+                self._check(group, getattr(self, group) >= count, f">= {count}: {task} draws {count} distinct of them")
+        if "vt" in self.subtasks:
+            self._check("n_values", self.n_values >= self.vt_chains, f">= vt_chains={self.vt_chains} (distinct chain values)")
+        if "qa" in self.subtasks:
+            self._check("n_values", self.n_values >= self.qa_docs, f">= qa_docs={self.qa_docs} (distinct facts)")
+        self._check("n_keys + n_values + n_words", self.vocab_size <= MAX_VOCAB, f"<= {MAX_VOCAB} (uint16 tokens)")
+        for task in self.subtasks:
+            c, items = self.context_len(task), self._items(task)
+            self._check("seq_len", c >= items, f"long enough for {task}'s {items} item tokens in its context of {c}")
+        if "cwe" in self.subtasks:
+            self._check("seq_len", self.cwe_counts() is not None,
+                        f"long enough for {self.cwe_words} common words cwe_ratio={self.cwe_ratio} times as frequent "
+                        f"as the other {self.n_words - self.cwe_words} (or more n_words)")  # fmt: skip
+        if "fwe" in self.subtasks:
+            counts = self.fwe_counts()
+            self._check("seq_len", all(counts[i] > counts[i + 1] for i in range(self.fwe_words)),
+                        f"long enough for distinct counts of the top {self.fwe_words + 1} words under fwe_alpha="
+                        f"{self.fwe_alpha} (counts {counts[: self.fwe_words + 1].tolist()})")  # fmt: skip
+
+    def _check(self, name, ok, need):
+        if not ok:
+            raise SettingError(name, f"long-context setting {name} must be {need}; settings: {self.describe()}")
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> "LongContextSettings":
+        """From a config dataset entry: the fields above plus ``source: synthetic_longctx``."""
+        spec = dict(spec)
+        source = spec.pop("source", SOURCE)
+        if source != SOURCE:
+            raise DataError(f"long-context dataset spec has source {source!r}, expected {SOURCE!r}")
+        unknown = sorted(set(spec) - {f.name for f in fields(cls)})
+        if unknown:
+            raise DataError(f"unknown long-context settings {unknown}; known: {[f.name for f in fields(cls)]}")
+        return cls(**spec)
+
+    # -- vocabulary --
+    @property
+    def key_start(self) -> int:
+        return TASK_START + len(SUBTASKS)
+
+    @property
+    def value_start(self) -> int:
+        return self.key_start + self.n_keys
+
+    @property
+    def word_start(self) -> int:
+        return self.value_start + self.n_values
+
+    @property
+    def vocab_size(self) -> int:
+        return self.word_start + self.n_words
+
+    # -- layout --
+    def question_len(self, task: str) -> int:
+        """The task token and its arguments (the <|query|> marker not counted)."""
+        return {"niah_multiquery": 1 + self.multiquery_queries, "cwe": 1, "fwe": 1, "qa": 3}.get(task, 2)
+
+    def answer_len(self, task: str) -> int:
+        return {"niah_multivalue": self.multivalue_values, "niah_multiquery": self.multiquery_queries,
+                "vt": self.vt_hops + 1, "cwe": self.cwe_words, "fwe": self.fwe_words}.get(task, 1)  # fmt: skip
+
+    def context_len(self, task: str) -> int:
+        return self.seq_len - 3 - self.question_len(task) - self.answer_len(task)
+
+    def prompt_len(self, task: str) -> int:
+        """Tokens through the <|query|> marker."""
+        return self.seq_len - 1 - self.answer_len(task)
+
+    def _items(self, task: str) -> int:
+        """Context tokens a subtask's needles, statements or documents take (at least)."""
+        return {"niah_single": NEEDLE, "niah_multikey": NEEDLE * self.multikey_needles,
+                "niah_multivalue": NEEDLE * self.multivalue_values, "niah_multiquery": NEEDLE * self.multiquery_queries,
+                "vt": NEEDLE * self.vt_chains * (self.vt_hops + 1), "cwe": 1, "fwe": 1,
+                "qa": (2 + NEEDLE) * self.qa_docs}[task]  # fmt: skip
+
+    def cwe_counts(self) -> tuple[int, int] | None:
+        """(occurrences of each common word, most occurrences of any other): the least common
+        count that is cwe_ratio times the others' once they fill the rest; None if none fits."""
+        c, others = self.context_len("cwe"), self.n_words - self.cwe_words
+        for common in range(1, c // self.cwe_words + 1):
+            rare = math.ceil((c - common * self.cwe_words) / others)
+            if common >= self.cwe_ratio * max(rare, 1):
+                return common, rare
+        return None
+
+    def fwe_counts(self) -> np.ndarray:
+        """Occurrences by frequency rank: floor(c p_r), p_r proportional to r^-fwe_alpha, the
+        remainder one each to the rarest ranks (so the top ranks keep their order)."""
+        c = self.context_len("fwe")
+        p = np.arange(1, self.n_words + 1, dtype=np.float64) ** -float(self.fwe_alpha)
+        counts = np.floor(c * p / p.sum()).astype(np.int64)
+        counts[len(counts) - (c - counts.sum()):] += 1
+        return counts
+
+    def layout(self) -> dict:
+        """What the meta records, so that answers can be found again from the tokens."""
+        return {
+            "seq_len": self.seq_len,
+            "subtasks": list(self.subtasks),
+            "task_ids": {task: TASK_START + SUBTASKS.index(task) for task in self.subtasks},
+            "prompt_lengths": {task: self.prompt_len(task) for task in self.subtasks},
+            "question_lengths": {task: self.question_len(task) for task in self.subtasks},
+            "answer_lengths": {task: self.answer_len(task) for task in self.subtasks},
+            "query_id": QUERY_ID,
+            "key_ids": [self.key_start, self.value_start],
+            "value_ids": [self.value_start, self.word_start],
+            "word_ids": [self.word_start, self.vocab_size],
+            "ruler_tasks": {task: RULER_TASK[task] for task in self.subtasks},
+            "metric": {task: "string_match_part" if task in PART_SCORED else "string_match_all" for task in self.subtasks},
+        }
+
+
+def check_datasets(plan) -> None:
+    """Every suite corpus of a plan (dimattn.sweeps.Plan) as its generator would refuse it, at
+    planning: a dimattn.sweeps.ConfigError naming ``datasets.<name>.<setting>``."""
+    from .sweeps import ConfigError
+
+    for name in plan.longctx_datasets:
+        try:
+            LongContextSettings.from_spec(plan.config["datasets"][name])
+        except SettingError as err:
+            raise ConfigError(f"datasets.{name}.{err.setting}", str(err)) from None
+
+
+def vocabulary(settings: LongContextSettings) -> dict[str, int]:
+    """Token names by id (see the module docstring)."""
+
+    def group(letter, n):
+        width = len(str(n - 1))
+        return [f"{letter}{i:0{width}d}" for i in range(n)]
+
+    names = [*RECALL_SPECIALS, "=", "<|doc|>", *(f"<|{task}|>" for task in SUBTASKS)]
+    names += group("k", settings.n_keys) + group("v", settings.n_values) + group("w", settings.n_words)
+    return {name: i for i, name in enumerate(names)}
+
+
+# ---- generation -----------------------------------------------------------------------------
+
+
+def _starts(rng, context: int, lengths, first=None) -> np.ndarray:
+    """Start positions of items of ``lengths`` kept in order and apart, uniform over the
+    context (sorted gaps), or the first at ``first``."""
+    lengths = np.asarray(lengths)
+    free = context - int(lengths.sum())
+    if first is not None:
+        gaps = np.sort(rng.integers(0, free - first + 1, size=len(lengths) - 1)) + first
+        gaps = np.concatenate([[first], gaps])
+    else:
+        gaps = np.sort(rng.integers(0, free + 1, size=len(lengths)))
+    return gaps + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+
+
+def _insert(context: np.ndarray, rng, items: list, first=None) -> None:
+    """Write ``items`` (token lists, in this order) over the context at :func:`_starts`."""
+    for start, item in zip(_starts(rng, len(context), [len(i) for i in items], first), items):
+        context[start : start + len(item)] = item
+
+
+def _example(s: LongContextSettings, task: str, rng) -> tuple[list, list, np.ndarray]:
+    """(question arguments, answer, context) of one example of ``task``, as token ids."""
+    c = s.context_len(task)
+    choose = lambda n, k: rng.choice(n, size=k, replace=False)  # noqa: E731 - distinct draws
+    key, value, word = (lambda i: s.key_start + int(i)), (lambda i: s.value_start + int(i)), (lambda i: s.word_start + int(i))
+    context = s.word_start + rng.integers(0, s.n_words, size=c)  # the haystack
+    if task in ("niah_single", "niah_multikey", "niah_multiquery"):
+        m = {"niah_single": 1, "niah_multikey": s.multikey_needles, "niah_multiquery": s.multiquery_queries}[task]
+        keys, values = choose(s.n_keys, m), rng.integers(0, s.n_values, size=m)
+        first = None
+        if task == "niah_single" and s.needle_depth is not None:
+            first = int(round(s.needle_depth * (c - NEEDLE)))
+        _insert(context, rng, [[key(k), ASSIGN_ID, value(v)] for k, v in zip(keys, values)], first)
+        asked = rng.permutation(m) if task == "niah_multiquery" else [int(rng.integers(m))]
+        return [key(keys[i]) for i in asked], [value(values[i]) for i in asked], context
+    if task == "niah_multivalue":
+        k, values = key(rng.integers(s.n_keys)), choose(s.n_values, s.multivalue_values)
+        _insert(context, rng, [[k, ASSIGN_ID, value(v)] for v in values])
+        return [k], [value(v) for v in values], context
+    if task == "vt":
+        hops = s.vt_hops + 1
+        names = choose(s.n_keys, s.vt_chains * hops).reshape(s.vt_chains, hops)
+        values = choose(s.n_values, s.vt_chains)
+        order = rng.permutation(np.repeat(np.arange(s.vt_chains), hops))  # chains interleaved, each in order
+        step = [0] * s.vt_chains
+        statements = []
+        for chain in order:
+            j = step[chain]
+            source = value(values[chain]) if j == 0 else key(names[chain, j - 1])
+            statements.append([key(names[chain, j]), ASSIGN_ID, source])
+            step[chain] += 1
+        _insert(context, rng, statements)
+        chain = int(rng.integers(s.vt_chains))
+        return [value(values[chain])], [key(n) for n in names[chain]], context
+    if task == "cwe":
+        common, rare = s.cwe_counts()
+        picks = rng.permutation(s.n_words)
+        top, others = picks[: s.cwe_words], picks[s.cwe_words :]
+        rest = c - common * s.cwe_words
+        counts = np.full(len(others), rest // len(others))
+        counts[choose(len(others), rest % len(others))] += 1
+        context = rng.permutation(np.concatenate([np.repeat(top, common), np.repeat(others, counts)])) + s.word_start
+        seen = list(dict.fromkeys(int(t) for t in context if t - s.word_start in set(top.tolist())))
+        return [], seen, context
+    if task == "fwe":
+        ranked = rng.permutation(s.n_words)
+        context = rng.permutation(np.repeat(ranked, s.fwe_counts())) + s.word_start
+        return [], [word(w) for w in ranked[: s.fwe_words]], context
+    # qa: documents of (nearly) equal length, each "<|doc|> title" then words holding one fact
+    titles, values = choose(s.n_keys, s.qa_docs), choose(s.n_values, s.qa_docs)
+    attribute = word(rng.integers(s.n_words))
+    sizes = np.full(s.qa_docs, c // s.qa_docs)
+    sizes[: c % s.qa_docs] += 1
+    start = 0
+    for title, v, size in zip(titles, values, sizes):
+        doc = context[start : start + size]
+        doc[:2] = DOC_ID, key(title)
+        _insert(doc[2:], rng, [[attribute, ASSIGN_ID, value(v)]])
+        start += size
+    asked = int(rng.integers(s.qa_docs))
+    return [key(titles[asked]), attribute], [value(values[asked])], context
+
+
+def generate_examples(settings: LongContextSettings, n: int, rng: np.random.Generator) -> np.ndarray:
+    """(n, seq_len) int64 examples; example i is subtask i mod S (the module docstring's layout)."""
+    s = settings
+    x = np.empty((n, s.seq_len), dtype=np.int64)
+    for i in range(n):
+        task = s.subtasks[i % len(s.subtasks)]
+        question, answer, context = _example(s, task, rng)
+        x[i] = [BOS_ID, *context, TASK_START + SUBTASKS.index(task), *question, QUERY_ID, *answer, EOS_ID]
+    return x
+
+
+def find_answers(examples: np.ndarray, layout: dict) -> list[tuple[str, int]]:
+    """(subtask, prompt length) of each example; the answer is examples[i, prompt : seq_len - 1].
+    An example holds one task token, its question's arguments, then the one <|query|> marker;
+    raises DataError when the examples do not follow the layout."""
+    examples = np.asarray(examples)
+    n, length = examples.shape
+    if length != layout["seq_len"]:
+        raise DataError(f"examples have length {length}, the layout says {layout['seq_len']}")
+    by_id = {tid: task for task, tid in layout["task_ids"].items()}
+    is_task, is_mark = np.isin(examples, list(by_id)), examples == layout["query_id"]
+    ok = (is_task.sum(1) == 1) & (is_mark.sum(1) == 1) & (examples[:, 0] == BOS_ID) & (examples[:, -1] == EOS_ID)
+    task_pos, prompts = is_task.argmax(1), is_mark.argmax(1) + 1
+    out = []
+    for i in range(n):
+        task = by_id.get(int(examples[i, task_pos[i]]))
+        if task is None or prompts[i] != layout["prompt_lengths"][task] \
+                or prompts[i] - 1 - task_pos[i] != layout["question_lengths"][task]:
+            ok[i] = False
+        out.append((task, int(prompts[i])))
+    if not ok.all():
+        raise DataError(f"{int((~ok).sum())} of {n} examples break the long-context layout "
+                        f"(first: example {int(np.argmin(ok))})")  # fmt: skip
+    return out
+
+
+def write_longctx_corpus(settings: LongContextSettings, out_dir) -> dict:
+    """Write out_dir/tokens/{train,validation,test}.{bin,json} and out_dir/tokenizer/, as
+    dimattn.recall's corpus (same files, the layout under meta["longctx"]). Returns the metas."""
+    if not isinstance(settings, LongContextSettings):
+        settings = LongContextSettings.from_spec(settings)
+    layout = settings.layout()
+
+    def make_split(split):
+        examples = generate_examples(settings, getattr(settings, f"n_{split}"), split_rng(settings.seed, split))
+        if not settings.answer_loss:
+            return examples, None
+        mask = np.zeros(examples.shape, dtype=np.uint8)
+        for i, (_, prompt) in enumerate(find_answers(examples, layout)):
+            mask[i, prompt : settings.seq_len - 1] = 1
+        return examples, mask
+
+    stored = asdict(settings) | {"subtasks": list(settings.subtasks)}  # as JSON holds it
+    meta = {"vocab_size": settings.vocab_size, "source": SOURCE, "longctx": layout, "settings": stored}
+    tokenizer = word_level_tokenizer(vocabulary(settings), settings.seq_len)
+    return write_synthetic_corpus(out_dir, make_split, tokenizer, meta)
+
+
+# ---- scoring --------------------------------------------------------------------------------
+
+
+def example_score(task: str, prediction: str, references: list[str]) -> float:
+    """lm-eval's RULER score of one example (lm_eval.tasks.ruler.common_utils): the share of its
+    references found (case-insensitive substring) in the prediction."""
+    from lm_eval.tasks.ruler import common_utils
+
+    metric = common_utils.string_match_part if task in PART_SCORED else common_utils.string_match_all
+    return float(metric([prediction], [references]))
+
+
+def score_predictions(subtasks: list[str], predictions: list[list[int]], answers: list[list[int]], names) -> dict:
+    """Per subtask: ``score`` (100 x the mean of :func:`example_score`, the decoded prediction
+    against the answer's names), ``exact`` (100 x the share of predictions equal to the answer)
+    and ``n``; ``average``: the mean score over subtasks (RULER's average)."""
+    out = {}
+    for task in dict.fromkeys(subtasks):
+        rows = [i for i, t in enumerate(subtasks) if t == task]
+        scores = [example_score(task, " ".join(names[t] for t in predictions[i]), [names[t] for t in answers[i]])
+                  for i in rows]  # fmt: skip
+        exact = np.mean([list(predictions[i]) == list(answers[i]) for i in rows])
+        out[task] = {"score": float(100 * np.mean(scores)), "exact": float(100 * exact), "n": len(rows)}
+    return {"subtasks": out, "average": float(np.mean([v["score"] for v in out.values()]))}
+
+
+def generate_answers(model, examples: np.ndarray, answers: list[tuple[str, int]], batch_size: int) -> list[list[int]]:
+    """The model's greedy continuation of each prompt, as many tokens as its answer, the prompt
+    prefilled into the KV cache (dimattn.recall.decode_through_cache); one subtask a batch, so
+    prompts share a length."""
+    import torch
+
+    device = next(model.parameters()).device
+    length = examples.shape[1]
+    out = [None] * len(examples)
+    for task in dict.fromkeys(t for t, _ in answers):
+        rows = [i for i, (t, _) in enumerate(answers) if t == task]
+        prompt = answers[rows[0]][1]
+        n_answer = length - 1 - prompt
+        with torch.no_grad():
+            for start in range(0, len(rows), batch_size):
+                chunk = rows[start : start + batch_size]
+                x = torch.from_numpy(np.ascontiguousarray(examples[chunk, :prompt], dtype=np.int64)).to(device)
+                found = decode_through_cache(model, x, prompt, prompt + n_answer - 1, greedy=True)
+                for i, row in zip(chunk, found[:, prompt - 1 :].cpu().numpy()):
+                    out[i] = row.tolist()
+    return out
+
+
+def score_suite(model, tokens_bin, batch_size: int, max_examples: int | None = None) -> dict:
+    """The suite's scores (:func:`score_predictions`) of a loaded model on a split, by greedy
+    generation through the KV cache (:func:`generate_answers`)."""
+    if type(batch_size) is not int or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    tokens, meta = load_tokens(tokens_bin)
+    if meta.get("source") != SOURCE or "longctx" not in meta:
+        raise DataError(f"{tokens_bin} is not a {SOURCE} corpus (its meta has no 'longctx' layout)")
+    length, n = meta["example_len"], meta["n_examples"]
+    if n * length != len(tokens):
+        raise DataError(f"{tokens_bin}: {len(tokens)} tokens, but meta says {n} examples of {length}")
+    examples = np.asarray(tokens).reshape(n, length)[:max_examples]
+    if model.config.vocab_size < meta["vocab_size"]:
+        raise ValueError(f"model vocab_size {model.config.vocab_size} < corpus vocab_size {meta['vocab_size']}")
+    layout = meta["longctx"]
+    answers = find_answers(examples, layout)
+    predictions = generate_answers(model, examples, answers, batch_size)
+    names = list(vocabulary(LongContextSettings(**_settings_fields(meta["settings"]))))
+    gold = [examples[i, prompt : length - 1].tolist() for i, (_, prompt) in enumerate(answers)]
+    result = score_predictions([t for t, _ in answers], predictions, gold, names)
+    return {"split": meta.get("split", "test"), "seq_len": length, **result}
+
+
+def _settings_fields(stored: dict) -> dict:
+    return {**stored, "subtasks": tuple(stored["subtasks"])}

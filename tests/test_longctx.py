@@ -1,0 +1,230 @@
+"""dimattn.longctx, the RULER-style suite: hand-written examples per subtask, every generated
+answer recovered from its context by a naive solver written from the subtask's definition, the
+refusals, the corpus files, greedy generation through the cache, and lm-eval's metric on
+hand-made predictions."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from dimattn.data import DataError, load_loss_mask, load_tokens
+from dimattn.longctx import SUBTASKS, LongContextSettings, find_answers, generate_examples, score_predictions
+from dimattn.longctx import score_suite, vocabulary, write_longctx_corpus
+
+SMALL = dict(n_keys=12, n_values=12, n_words=16, n_train=16, n_validation=16, n_test=16)
+
+
+def ids(settings, text: str) -> list[int]:
+    vocab = vocabulary(settings)
+    return [vocab[name] for name in text.split()]
+
+
+def solve(settings, x) -> list[int]:
+    """The answer of example ``x`` from its context alone, by the subtask's definition, written
+    without the generator's structure: parse "a = b" triples, count words, follow chains."""
+    names = {i: n for n, i in vocabulary(settings).items()}
+    tokens = [names[int(t)] for t in x]
+    task = next(t[2:-2] for t in tokens if t[2:-2] in SUBTASKS)
+    start = tokens.index(f"<|{task}|>")
+    context, args = tokens[1:start], tokens[start + 1 : tokens.index("<|query|>")]
+    triples = [(context[i - 1], context[i + 1]) for i in range(1, len(context) - 1) if context[i] == "="]
+    vocab = vocabulary(settings)
+    if task in ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"):
+        answer = [b for key in args for a, b in triples if a == key]
+    elif task == "vt":
+        chain, found = {args[0]}, []
+        for a, b in triples:  # assignments in context order
+            if b in chain:
+                chain.add(a)
+                found.append(a)
+        answer = found
+    elif task == "cwe":
+        counts = Counter(context)
+        top = sorted(counts.values(), reverse=True)[settings.cwe_words - 1]
+        answer = list(dict.fromkeys(w for w in context if counts[w] >= top))
+    elif task == "fwe":
+        answer = [w for w, _ in Counter(context).most_common(settings.fwe_words)]
+    else:  # qa: the document whose title is asked, its fact on the asked attribute
+        title, attribute = args
+        doc = context[context.index(title) - 1 :]
+        doc = doc[: doc.index("<|doc|>", 1)] if "<|doc|>" in doc[1:] else doc
+        answer = [doc[i + 1] for i in range(1, len(doc) - 1) if doc[i] == "=" and doc[i - 1] == attribute]
+    return [vocab[a] for a in answer]
+
+
+# One hand-written example a subtask and the settings it needs; seq_len is its length.
+HAND = {
+    "niah_single": (dict(), "<|bos|> w00 w03 k04 = v07 w01 <|niah_single|> k04 <|query|> v07 <|endoftext|>"),
+    "niah_multikey": (dict(multikey_needles=2),
+                      "<|bos|> k01 = v02 w05 w05 k03 = v04 w00 w09 w02 <|niah_multikey|> k03 <|query|> v04 <|endoftext|>"),
+    "niah_multivalue": (dict(multivalue_values=2),
+                        "<|bos|> w01 k05 = v01 w02 k05 = v09 w03 <|niah_multivalue|> k05 <|query|> v01 v09 <|endoftext|>"),
+    "niah_multiquery": (dict(multiquery_queries=2),
+                        "<|bos|> k00 = v03 w01 k07 = v03 w02 <|niah_multiquery|> k07 k00 <|query|> v03 v03 <|endoftext|>"),
+    "vt": (dict(vt_chains=2, vt_hops=1),
+           "<|bos|> k01 = v04 k02 = v05 w00 k03 = k02 k04 = k01 w07 <|vt|> v05 <|query|> k02 k03 <|endoftext|>"),
+    "cwe": (dict(cwe_words=2, cwe_ratio=2, n_words=4),
+            "<|bos|> w2 w0 w2 w3 w0 w2 w0 w2 w1 w0 <|cwe|> <|query|> w2 w0 <|endoftext|>"),
+    "fwe": (dict(fwe_words=1, n_words=4),
+            "<|bos|> w3 w3 w1 w3 w3 w0 w3 w2 w3 <|fwe|> <|query|> w3 <|endoftext|>"),
+    "qa": (dict(qa_docs=2),
+           "<|bos|> <|doc|> k01 w03 = v02 w00 <|doc|> k05 w00 w03 = v06 w01 <|qa|> k05 w03 <|query|> v06 <|endoftext|>"),
+}
+
+
+@pytest.mark.parametrize("task", SUBTASKS)
+def test_a_hand_written_example_of_each_subtask(task):
+    changes, text = HAND[task]
+    s = LongContextSettings(**{**SMALL, **changes, "seq_len": len(text.split()), "subtasks": (task,)})
+    x = np.array(ids(s, text))
+    ((found, prompt),) = find_answers(x[None], s.layout())
+    answer = text.split("<|query|>")[1].split()[:-1]
+    assert found == task and list(x[prompt:-1]) == ids(s, " ".join(answer))
+    assert solve(s, x) == list(x[prompt:-1])
+
+
+@pytest.mark.parametrize("task", SUBTASKS)
+@pytest.mark.parametrize("seq_len", [96, 192])
+def test_every_generated_answer_is_recovered_from_its_context(task, seq_len):
+    s = LongContextSettings(**SMALL, seq_len=seq_len, subtasks=(task,))
+    x = generate_examples(s, 40, np.random.default_rng(seq_len))
+    assert x.shape == (40, seq_len) and x.max() < s.vocab_size
+    for row, (found, prompt) in zip(x, find_answers(x, s.layout())):
+        assert found == task and prompt == s.prompt_len(task)
+        assert solve(s, row) == list(row[prompt:-1])
+
+
+def test_examples_cycle_through_the_subtasks_and_depth_places_the_needle():
+    s = LongContextSettings(**SMALL, seq_len=128)
+    x = generate_examples(s, 2 * len(SUBTASKS), np.random.default_rng(0))
+    assert [t for t, _ in find_answers(x, s.layout())] == list(SUBTASKS) * 2
+    for depth in (0.0, 0.5, 1.0):
+        d = LongContextSettings(**SMALL, seq_len=128, subtasks=("niah_single",), needle_depth=depth)
+        rows = generate_examples(d, 5, np.random.default_rng(1))
+        c = d.context_len("niah_single")
+        assert all(row[1 + round(depth * (c - 3)) + 1] == 5 for row in rows)  # "=" of the needle
+
+
+REFUSED = {
+    "needle beyond the context": (dict(needle_depth=1.5), "needle_depth"),
+    "length beyond the model's positions": (dict(seq_len=256, max_positions=128), "seq_len must be <= max_positions"),
+    "more keys than the vocabulary": (dict(multikey_needles=13), "n_keys must be >= 13"),
+    "chains beyond the keys": (dict(vt_chains=3, vt_hops=4), "n_keys must be >= 15"),
+    "more common words than words": (dict(cwe_words=16), "n_words must be >= 17"),
+    "a context too short for its needles": (dict(seq_len=20, subtasks=("niah_multikey",), multikey_needles=6),
+                                            "seq_len must be long enough for niah_multikey"),
+    "common words that cannot stand out": (dict(seq_len=400, subtasks=("cwe",), n_words=6, cwe_words=5, cwe_ratio=200),
+                                           "seq_len must be long enough for 5 common words"),
+    "unknown subtask": (dict(subtasks=("niah_single", "passkey")), "subtasks"),
+    "a float count": (dict(n_keys=12.0), "n_keys must be int"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_an_unanswerable_setting_is_refused_naming_it(case):
+    changes, message = REFUSED[case]
+    with pytest.raises(DataError, match=message):
+        LongContextSettings(**{**SMALL, "seq_len": 128, **changes})
+    LongContextSettings(**{**SMALL, "seq_len": 128, "max_positions": 128})  # at the boundary: allowed
+
+
+def test_the_corpus_files_follow_the_recall_corpus(tmp_path):
+    s = LongContextSettings(**SMALL, seq_len=64)
+    metas = write_longctx_corpus(s, tmp_path / "suite")
+    tokens, meta = load_tokens(tmp_path / "suite/tokens/test.bin")
+    x = np.asarray(tokens).reshape(meta["n_examples"], 64)
+    mask = np.asarray(load_loss_mask(tmp_path / "suite/tokens/test.bin", meta)).reshape(x.shape)
+    for row, m, (_, prompt) in zip(x, mask, find_answers(x, meta["longctx"])):
+        assert np.flatnonzero(m).tolist() == list(range(prompt, 63))  # the answers, and only they
+    assert meta == metas["test"] and meta["example_len"] == 64 and meta["vocab_size"] == s.vocab_size
+    train = np.asarray(load_tokens(tmp_path / "suite/tokens/train.bin")[0])
+    assert not np.array_equal(train.reshape(-1, 64)[:16], x)  # independent splits
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "suite/tokenizer")
+    assert tok(tok.decode(x[0]), add_special_tokens=False)["input_ids"] == x[0].tolist()
+    x = x.copy()
+    x[3, -1] = 7  # a second task token: refused, not scored
+    with pytest.raises(DataError, match="1 of 16 examples break the long-context layout"):
+        find_answers(x, meta["longctx"])
+
+
+def test_greedy_generation_through_the_cache_is_naive_greedy(tmp_path):
+    from dimattn import DimAttnConfig, DimAttnForCausalLM
+    from dimattn.longctx import generate_answers
+
+    s = LongContextSettings(**SMALL, seq_len=48, subtasks=("niah_multivalue", "vt", "cwe"))
+    x = generate_examples(s, 6, np.random.default_rng(0))
+    answers = find_answers(x, s.layout())
+    torch.manual_seed(0)
+    config = DimAttnConfig(vocab_size=s.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           attention="vanilla", max_position_embeddings=64, initializer_range=0.3)  # fmt: skip
+    model = DimAttnForCausalLM(config).eval()
+    got = generate_answers(model, x, answers, batch_size=4)
+    for row, (_, prompt), generated in zip(x, answers, got):
+        seq = list(row[:prompt])
+        with torch.no_grad():
+            for _ in range(s.seq_len - 1 - prompt):  # recompute the whole sequence each step
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert generated == seq[prompt:]
+    assert len({tuple(g) for g in got}) > 1  # the model's own tokens, not a constant
+    write_longctx_corpus(s, tmp_path / "suite")
+    result = score_suite(model, tmp_path / "suite/tokens/test.bin", batch_size=8)
+    assert set(result["subtasks"]) == set(s.subtasks) and result["seq_len"] == 48
+    assert all(v["n"] == 16 // 3 + (i < 16 % 3) for i, v in enumerate(result["subtasks"].values()))
+
+    # the workflow's steps: the JSON of a saved run, then the tidy summary
+    from dimattn.evaluation import evaluate_longctx
+    from dimattn.reporting.summaries import summarize_longctx
+
+    model.config.register_for_auto_class()
+    model.register_for_auto_class("AutoModelForCausalLM")
+    model.save_pretrained(tmp_path / "long-vanilla")
+    record = evaluate_longctx(tmp_path / "long-vanilla", tmp_path / "suite/tokens/test.bin", tmp_path / "s.json", 8,
+                              corpus="suite")  # fmt: skip
+    assert record["subtasks"] == result["subtasks"] and record["run"] == "long-vanilla" and record["corpus"] == "suite"
+    df = summarize_longctx([tmp_path / "s.json"], tmp_path / "longctx.csv")
+    assert list(df["subtask"]) == [*s.subtasks, "average"] and (df["seq_len"] == 48).all()
+    assert df.set_index("subtask").loc["average", "score"] == pytest.approx(result["average"])
+    assert df.set_index("subtask").loc["average", "n"] == 16
+
+
+def test_the_scorer_is_lm_evals_string_match_on_hand_made_predictions():
+    names = list(vocabulary(LongContextSettings()))  # names of two digits
+    v = {n: i for i, n in enumerate(names)}
+    gold = [[v["v01"], v["v02"], v["v03"], v["v04"]], [v["v01"], v["v02"], v["v03"], v["v04"]], [v["k02"]], [v["k02"]],
+            [v["w01"], v["w02"]]]  # fmt: skip
+    predictions = [gold[0],  # all found, exact
+                   [v["v04"], v["v03"], v["v01"], v["v09"]],  # 3 of 4 found, out of order
+                   [v["k02"]], [v["k12"]],  # k02 is no substring of "k12": the names of a group are one width
+                   [v["w02"], v["w01"]]]  # fmt: skip
+    tasks = ["niah_multivalue", "niah_multivalue", "niah_single", "niah_single", "cwe"]
+    gold, predictions, tasks = gold + [[v["v05"]]] * 2, predictions + [[v["v05"]], [v["v50"]]], tasks + ["qa"] * 2
+    result = score_predictions(tasks, predictions, gold, names)["subtasks"]
+    assert result["qa"] == {"score": 50.0, "exact": 50.0, "n": 2}  # string_match_part, one example at a time
+    assert result["niah_multivalue"] == {"score": pytest.approx(100 * (1 + 3 / 4) / 2), "exact": 50.0, "n": 2}
+    assert result["niah_single"] == {"score": 50.0, "exact": 50.0, "n": 2}
+    assert result["cwe"] == {"score": 100.0, "exact": 0.0, "n": 1}  # any order: lm-eval's substring match
+    assert score_predictions(tasks, predictions, gold, names)["average"] == pytest.approx((87.5 + 50 + 100 + 50) / 4)
+
+
+def test_an_unanswerable_corpus_is_refused_at_planning_naming_its_key():
+    import copy
+
+    import yaml
+
+    from dimattn import sweeps
+    from dimattn.longctx import check_datasets
+
+    config = yaml.safe_load(open(sweeps.SCHEMA.parents[1] / "config.yaml"))
+    config["datasets"]["suite"] = {"source": "synthetic_longctx", "seq_len": 64, "needle_depth": 1.5}
+    with pytest.raises(sweeps.ConfigError, match=r"config key datasets\.suite\.needle_depth: long-context setting"):
+        check_datasets(sweeps.plan(sweeps.validate(config)))
+    fine = copy.deepcopy(config)
+    fine["datasets"]["suite"]["needle_depth"] = 1.0  # the end of the context: answerable
+    check_datasets(sweeps.plan(sweeps.validate(fine)))
+    config["datasets"]["suite"] |= {"needle_depth": None, "n_keys": 3}  # 4 distinct multi-key needles
+    with pytest.raises(sweeps.ConfigError, match=r"datasets\.suite\.n_keys"):
+        check_datasets(sweeps.plan(sweeps.validate(config)))
