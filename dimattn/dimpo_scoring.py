@@ -6,6 +6,7 @@ The scorers themselves (perplexity, lm-eval's ``hf`` model) are those of our own
 dimattn.evaluation; this module says what a projected model is scored on.
 """
 
+import shutil
 from pathlib import Path
 
 from .atomic import write_json
@@ -69,14 +70,15 @@ def downstream_tasks(tasks: list[dict], d_prime: int) -> list[dict]:
 def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_len: int, batch_size: int,
                     max_tokens: int | None, tasks: list[dict], limit: int | None, out_json: Path,
                     metadata: dict | None = None, device: str = "cpu",
-                    recall: dict[str, Path] | None = None) -> dict:  # fmt: skip
+                    recall: dict[str, Path] | None = None, partial_dir: Path | None = None) -> dict:  # fmt: skip
     """A projected model directory (dimattn.modeling_projected) scored as our runs are: held-out
     perplexity per corpus ({corpus: tokens.bin}), the recall probe per synthetic corpus
     ({corpus: test tokens.bin}; the context prefilled and the questions decoded through the
     model's KV cache, so that KV compression acts: dimattn.recall.score_recall, seed 003's RULER
     at CPU scale) and lm-eval's `hf` model on those of ``tasks`` that score its d'
     (downstream_tasks); JSON with ``fields`` (model, objective, d', l, kv, ...)
-    beside."""
+    beside. ``partial_dir``: each lm-eval task's result as it finishes, as our runs' score_text
+    keeps them (dimattn.evaluation.lm_eval_results), removed once the record is written."""
     from .recall import load_examples, score_recall
 
     for path in (recall or {}).values():
@@ -91,6 +93,9 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
         del model
     tasks = downstream_tasks(tasks, fields.get("d_prime", 0))  # a task's d_prime: the widths it scores
     if tasks:
-        record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata))
+        record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata,
+                                      partial_dir=partial_dir))  # fmt: skip
     write_json(record, out_json)
+    if partial_dir is not None:
+        shutil.rmtree(partial_dir, ignore_errors=True)
     return record

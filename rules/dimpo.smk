@@ -147,6 +147,8 @@ rule score_projected:
         corpora=lambda wc: (
             PLAN.perplexity_datasets if PLAN.dimpo_probe(wc.model) == "text" else []
         ),
+        # each task's result as it finishes, as score_text's: a rerun scores only the tasks missing
+        lm_eval_partial=lambda wc, output: paths.partial(output[0]),
         device=DEVICE,
     script:
         "../workflow_scripts/score_projected.py"
