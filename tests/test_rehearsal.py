@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slurm_cluster import PROFILES, SUBMITTED, rule_of, states  # noqa: E402
+from slurm_cluster import PROFILES, SUBMITTED, cluster, rule_of, states  # noqa: E402, F401 (cluster: a fixture)
 from test_workflow import REPO, SNAKEMAKE, workdir  # noqa: E402
 
 sys.path.insert(0, str(REPO))
