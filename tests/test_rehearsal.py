@@ -118,7 +118,8 @@ def hub(tmp_path_factory):
 
 
 def _snakemake(work, env, *args, timeout=900):
-    out = subprocess.run([*SNAKEMAKE, "--directory", str(work), *CONFIGS, *args], capture_output=True, text=True,
+    # targets before --configfile, whose list would take them as config files
+    out = subprocess.run([*SNAKEMAKE, "--directory", str(work), *args, *CONFIGS], capture_output=True, text=True,
                          cwd=work, env=env, timeout=timeout)  # fmt: skip
     return out.stdout + out.stderr, out.returncode
 
@@ -154,7 +155,7 @@ def rehearsal(hub, tmp_path_factory, request):
     else:
         cluster["roots"].append(work)
         t1 = time.perf_counter()
-        proc = subprocess.Popen([*SNAKEMAKE, "--directory", str(work), *PROFILES, *CONFIGS, *slurm_targets],
+        proc = subprocess.Popen([*SNAKEMAKE, "--directory", str(work), *PROFILES, *slurm_targets, *CONFIGS],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=work)  # fmt: skip
         try:
             text = proc.communicate(timeout=600)[0]
