@@ -6,11 +6,13 @@ The scorers themselves (perplexity, lm-eval's ``hf`` model) are those of our own
 dimattn.evaluation; this module says what a projected model is scored on.
 """
 
+import shutil
 from pathlib import Path
 
 from .atomic import write_json
 from .data import load_tokens
-from .evaluation import TASKS_DIR, lm_eval_results, load_model, perplexity
+from .evaluation import lm_eval_results, load_model, perplexity
+from .lm_eval_tasks import TASKS_DIR, own_task_names
 
 
 # What AutoModelForCausalLM / AutoTokenizer.from_pretrained read of a hub model: config and
@@ -21,13 +23,20 @@ HUB_MODEL_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "
 HUB_MODEL_SKIP = ["original/*"]
 
 
-def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_json: Path) -> dict:
+def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_json: Path,
+             lm_eval_tasks: list[dict] = (), allow_unsafe_code: bool = False,
+             ruler_qa_sources: dict | None = None) -> dict:  # fmt: skip
     """Fill the Hugging Face cache on a machine with network (a SLURM login node), so that compute
     nodes run offline: the files of each hub model that from_pretrained reads (HUB_MODEL_FILES),
     and each lm-eval task built once with that model's tokenizer, which downloads its dataset
     (RULER: the essays; nltk's punkt_tab) and generates RULER's samples at every
     metadata.max_seq_lengths. RULER QA's SQuAD and HotpotQA, which lm-eval fetches into memory
-    only, are saved to files that our ruler_qa_* tasks read (lm_eval_tasks/ruler_qa.py)."""
+    only, are saved to files that our ruler_qa_* tasks read (lm_eval_tasks/ruler_qa.py), from
+    ``ruler_qa_sources`` where given. ``lm_eval_tasks``: our runs' (evaluation.lm_eval.tasks,
+    Table 4), built once for their datasets; MBPP's, which loads and tries evaluate's code_eval
+    as it is built, only with ``allow_unsafe_code`` (the config's opt-in)."""
+    import os
+
     from huggingface_hub import snapshot_download
     from lm_eval.tasks import TaskManager
 
@@ -35,7 +44,12 @@ def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_js
     if {"ruler_qa_squad", "ruler_qa_hotpot"} & set(names) or "ruler" in names:
         from .lm_eval_tasks import ruler_qa
 
-        ruler_qa.fetch()
+        ruler_qa.fetch(ruler_qa_sources)
+    harness = [t["name"] for t in lm_eval_tasks if t["name"] not in own_task_names()]
+    if harness:
+        if allow_unsafe_code:
+            os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # MBPP's task file runs code_eval once as it loads
+        TaskManager(include_path=str(TASKS_DIR)).load_task_or_group(harness)
     done = {}
     for model in models:
         snapshot_download(model, allow_patterns=HUB_MODEL_FILES, ignore_patterns=HUB_MODEL_SKIP)
@@ -43,7 +57,7 @@ def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_js
             manager = TaskManager(include_path=str(TASKS_DIR), metadata={"tokenizer": model, **(metadata or {})})
             manager.load_task_or_group(names)
         done[model] = names
-    write_json({"models": done, "metadata": metadata or {}}, out_json)
+    write_json({"models": done, "lm_eval_tasks": harness, "metadata": metadata or {}}, out_json)
     return done
 
 
@@ -56,14 +70,15 @@ def downstream_tasks(tasks: list[dict], d_prime: int) -> list[dict]:
 def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_len: int, batch_size: int,
                     max_tokens: int | None, tasks: list[dict], limit: int | None, out_json: Path,
                     metadata: dict | None = None, device: str = "cpu",
-                    recall: dict[str, Path] | None = None) -> dict:  # fmt: skip
+                    recall: dict[str, Path] | None = None, partial_dir: Path | None = None) -> dict:  # fmt: skip
     """A projected model directory (dimattn.modeling_projected) scored as our runs are: held-out
     perplexity per corpus ({corpus: tokens.bin}), the recall probe per synthetic corpus
     ({corpus: test tokens.bin}; the context prefilled and the questions decoded through the
     model's KV cache, so that KV compression acts: dimattn.recall.score_recall, seed 003's RULER
     at CPU scale) and lm-eval's `hf` model on those of ``tasks`` that score its d'
     (downstream_tasks); JSON with ``fields`` (model, objective, d', l, kv, ...)
-    beside."""
+    beside. ``partial_dir``: each lm-eval task's result as it finishes, as our runs' score_text
+    keeps them (dimattn.evaluation.lm_eval_results), removed once the record is written."""
     from .recall import load_examples, score_recall
 
     for path in (recall or {}).values():
@@ -78,6 +93,9 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
         del model
     tasks = downstream_tasks(tasks, fields.get("d_prime", 0))  # a task's d_prime: the widths it scores
     if tasks:
-        record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata))
+        record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata,
+                                      partial_dir=partial_dir))  # fmt: skip
     write_json(record, out_json)
+    if partial_dir is not None:
+        shutil.rmtree(partial_dir, ignore_errors=True)
     return record

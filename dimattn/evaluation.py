@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM
 
 from .atomic import atomic_file, write_json
 from .data import load_tokens, read_documents
+from .lm_eval_tasks import TASKS_DIR, own_task_names
 from .runs import run_metadata
 
 # The workflow's own lm-eval tasks: YAMLs in TASKS_DIR, data written by write_lm_eval_data.
-TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 HELDOUT_TASK = "dimattn_heldout"  # loglikelihood_rolling over held-out documents
 NEXT_LINE_TASK = "dimattn_next_line"  # 4-way choice of the true next line
 MIN_DOC_CHARS = 1500  # a held-out document: paragraphs grouped to at least this many characters
@@ -199,7 +199,7 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
         os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # evaluate's code_eval refuses to run without it
     # Indexing lm-eval's thousands of built-in task files takes most of a CPU run: skip it
     # when every task asked for is one of ours.
-    own = {p.stem for p in TASKS_DIR.glob("*.yaml")}
+    own = own_task_names()
     manager = TaskManager(
         include_path=str(TASKS_DIR), include_defaults=any(t["name"] not in own for t in tasks),
         metadata={"tokenizer": str(model_dir), **(metadata or {})} if metadata else None,

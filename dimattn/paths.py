@@ -8,6 +8,7 @@ relative to the workflow's working directory. No torch.
 from __future__ import annotations
 
 import sys
+from pathlib import PurePosixPath
 
 RESULTS = "results"
 DATA = f"{RESULTS}/data"
@@ -72,6 +73,12 @@ def model(run: str) -> str:
 def checkpoints(run: str) -> str:
     """Not a Snakemake output: a killed or retried job resumes from here."""
     return f"{CHECKPOINTS}/{run}"
+
+
+def partial(output: str) -> str:
+    """Where a scoring job keeps each lm-eval task's result until ``output`` is written (under
+    CHECKPOINTS, as a run's: not a Snakemake output, so a retry finds them)."""
+    return f"{CHECKPOINTS}/{PurePosixPath(output).relative_to(RESULTS).with_suffix('')}"
 
 
 def perplexity(run: str, dataset: str) -> str:

@@ -48,7 +48,9 @@ import os
 MIB = 2**20
 
 # What makes huggingface_hub, datasets and transformers read their caches only.
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# evaluate (lm-eval's MBPP loads its code_eval) has its own switch: without it, it asks
+# HF_ENDPOINT before its module cache.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1"}
 _USER_ENV = "DIMATTN_USER_HF_ENV"  # the user's own values of OFFLINE's keys, for the download rules
 
 

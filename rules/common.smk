@@ -15,6 +15,7 @@ from snakemake.utils import validate
 sys.path.insert(0, str(Path(workflow.basedir)))  # dimattn, when it is not pip-installed
 
 from dimattn import paths, resources, sweeps
+from dimattn.lm_eval_tasks import own_task_names
 
 # Every job reads the Hugging Face caches only (compute nodes have no network): set here, where
 # the main process and each cluster job parse the workflow; the download rules (localrules) give
@@ -256,6 +257,15 @@ def lm_eval_params():
             "exclude_shorter_than_window",
         )
     }
+
+
+def lm_eval_prefetched():
+    """The prefetch marker, when our runs' lm-eval tasks include lm-eval's own (their datasets
+    come from the hub, on the login node); none for the workflow's own tasks."""
+    own = own_task_names()
+    if PLAN.lm_eval_runs and any(t["name"] not in own for t in PLAN.lm_eval["tasks"]):
+        return paths.prefetched()
+    return []
 
 
 def model_dirs():

@@ -19,6 +19,10 @@ rule prefetch:
         models=[m["hub"] for m in PLAN.dimpo["models"] if "hub" in m],
         tasks=PLAN.downstream["tasks"] if PLAN.dimpo_projected else [],
         metadata=PLAN.downstream["metadata"],
+        ruler_qa_sources=PLAN.downstream["ruler_qa_sources"],
+        # Table 4's harness tasks (score_text): their datasets, and MBPP's code_eval
+        lm_eval_tasks=PLAN.lm_eval["tasks"] if PLAN.lm_eval_runs else [],
+        allow_unsafe_code=PLAN.lm_eval["allow_unsafe_code"],
     script:
         "../workflow_scripts/prefetch.py"
 
@@ -143,6 +147,8 @@ rule score_projected:
         corpora=lambda wc: (
             PLAN.perplexity_datasets if PLAN.dimpo_probe(wc.model) == "text" else []
         ),
+        # each task's result as it finishes, as score_text's: a rerun scores only the tasks missing
+        lm_eval_partial=lambda wc, output: paths.partial(output[0]),
         device=DEVICE,
     script:
         "../workflow_scripts/score_projected.py"

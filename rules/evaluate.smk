@@ -10,6 +10,7 @@ rule score_text:
         model=paths.model("{run}"),
         tokens=[paths.tokens(d, "test") for d in PLAN.perplexity_datasets],
         lm_eval_data=lm_eval_data_files(),
+        prefetched=lm_eval_prefetched(),
     output:
         perplexity=[paths.perplexity("{run}", d) for d in PLAN.perplexity_datasets],
         lm_eval=paths.lm_eval("{run}"),

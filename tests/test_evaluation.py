@@ -172,6 +172,36 @@ def test_each_lm_eval_task_is_kept_as_it_finishes_and_a_rerun_scores_only_the_mi
     assert fresh["results"] == record["results"] and len(calls) == 2
 
 
+def test_a_projected_model_keeps_each_lm_eval_task_as_it_finishes(scored_run, tmp_path, monkeypatch):
+    """score_projected as score_text: a failing task loses nothing else, the rerun scores it alone,
+    and the kept results go once the record is written."""
+    import lm_eval
+
+    from dimattn.dimpo_scoring import score_projected
+
+    real, calls, fail_once = lm_eval.simple_evaluate, [], [evaluation.HELDOUT_TASK]
+
+    def flaky(*args, **kw):
+        calls.append(kw["tasks"][0])
+        if kw["tasks"][0] in fail_once:
+            fail_once.remove(kw["tasks"][0])
+            raise RuntimeError("one task fails")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", flaky)
+    tasks = [{"name": evaluation.NEXT_LINE_TASK}, {"name": evaluation.HELDOUT_TASK}]
+    partial, out = tmp_path / "checkpoints/projected", tmp_path / "downstream.json"
+    kw = dict(model_dir=scored_run, fields={"objective": "base", "d_prime": 0}, tokens={}, seq_len=64, batch_size=2,
+              max_tokens=None, tasks=tasks, limit=2, out_json=out, partial_dir=partial)  # fmt: skip
+    with pytest.raises(RuntimeError, match=evaluation.HELDOUT_TASK):
+        score_projected(**kw)
+    assert not out.exists() and [p.name for p in partial.iterdir()] == [f"{evaluation.NEXT_LINE_TASK}.json"]
+    calls.clear()
+    record = score_projected(**kw)
+    assert calls == [evaluation.HELDOUT_TASK] and not partial.exists()
+    assert set(record["results"]) == {evaluation.HELDOUT_TASK, evaluation.NEXT_LINE_TASK}
+
+
 def test_a_kept_lm_eval_result_of_another_model_is_scored_again(scored_run, tmp_path, monkeypatch):
     import lm_eval
 

@@ -9,4 +9,5 @@ with logged(snakemake):
     from dimattn.dimpo_scoring import prefetch
 
     p = snakemake.params
-    prefetch(models=p.models, tasks=p.tasks, metadata=p.metadata, out_json=Path(snakemake.output[0]))
+    prefetch(models=p.models, tasks=p.tasks, metadata=p.metadata, out_json=Path(snakemake.output[0]),
+             lm_eval_tasks=p.lm_eval_tasks, allow_unsafe_code=p.allow_unsafe_code, ruler_qa_sources=p.ruler_qa_sources)

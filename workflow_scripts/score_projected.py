@@ -18,4 +18,5 @@ with logged(snakemake):
     score_projected(model_dir=model_dir, fields=fields, tokens=dict(zip(p.corpora, map(Path, snakemake.input.tokens))),
                     recall=dict(zip(p.recall_corpora, map(Path, snakemake.input.recall))), seq_len=p.seq_len,
                     batch_size=p.batch_size, max_tokens=ds["max_tokens"], tasks=p.tasks, limit=ds["limit"],
-                    metadata=ds["metadata"], out_json=Path(snakemake.output[0]), device=p.device)
+                    metadata=ds["metadata"], out_json=Path(snakemake.output[0]), device=p.device,
+                    partial_dir=Path(p.lm_eval_partial))

@@ -32,15 +32,26 @@ def local_path(url: str) -> Path:
     return Path(HF_HOME) / "dimattn" / "ruler_qa" / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{Path(url).name}"
 
 
-def fetch() -> dict[str, str]:
-    """Download both files once (on a machine with network: the prefetch rule); {name: path}."""
+def source_url(url: str) -> str:
+    """A huggingface.co URL through HF_ENDPOINT (a site's mirror, the rehearsal's hub), as
+    huggingface_hub resolves the hub's own files; any other as it is."""
+    from huggingface_hub import constants
+
+    hub = "https://huggingface.co/"
+    return constants.ENDPOINT.rstrip("/") + "/" + url[len(hub):] if url.startswith(hub) else url
+
+
+def fetch(sources: dict[str, str | None] | None = None) -> dict[str, str]:
+    """Download both files once (on a machine with network: the prefetch rule); {name: path}.
+    ``sources`` ({"squad" or "hotpotqa": URL}, dimpo.downstream.ruler_qa_sources) fetch a file
+    from elsewhere; it is kept under lm-eval's URL, the one the compute jobs' tasks ask for."""
     import requests
 
     done = {}
     for name, url in URLS.items():
         path = local_path(url)
         if not path.is_file():
-            response = requests.get(url, timeout=600)
+            response = requests.get(source_url((sources or {}).get(name) or url), timeout=600)
             response.raise_for_status()
             json.loads(response.content)  # a truncated or HTML answer is refused before it is kept
             path.parent.mkdir(parents=True, exist_ok=True)
