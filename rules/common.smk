@@ -297,7 +297,11 @@ def longctx_summary():
     table of dimattn.reporting.outputs)."""
     if not PLAN.longctx_runs:
         return []
-    return [paths.summary("longctx"), paths.summary("longctx_needle"), paths.figure("longctx_needle")]
+    return [
+        paths.summary("longctx"),
+        paths.summary("longctx_needle"),
+        paths.figure("longctx_needle"),
+    ]
 
 
 def lm_eval_files():

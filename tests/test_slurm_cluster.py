@@ -96,11 +96,11 @@ def slurm_run(cluster, tmp_path_factory, reference):
     text = output.read_text()
     submitted = SUBMITTED.findall(text)
     job_ids = [jid for _, jid, _ in submitted]
-    states = states(job_ids) if job_ids else {}
+    job_states = states(job_ids) if job_ids else {}
     pretrain_log = work / paths.log("pretrain", RUN)
     resumed = _resumed_from(pretrain_log.read_text()) if pretrain_log.exists() else None
     print(f"\nSLURM run wall time: {wall:.0f} s; SLURM job ids: "
-          + ", ".join(f"{jid} ({rule_of(log)}: {states.get(jid, '?')})"
+          + ", ".join(f"{jid} ({rule_of(log)}: {job_states.get(jid, '?')})"
                       for _, jid, log in submitted)
           + f"; scancelled: {cancelled}; the retry resumed at step {resumed}")  # fmt: skip
     if proc.returncode != 0:
@@ -109,7 +109,7 @@ def slurm_run(cluster, tmp_path_factory, reference):
         logs = "".join(f"\n== {p}\n{p.read_text(errors='replace')[-2000:]}" for p in sorted((work / "logs").rglob("*.log")))
         pytest.fail(f"SLURM run failed ({proc.returncode}):\n{text[-6000:]}\n{logs[-6000:]}\n{slurm_logs[-6000:]}"
                     f"{cluster_logs(cluster['state'])}")
-    return {"work": work, "text": text, "submitted": submitted, "states": states, "cancelled": cancelled,
+    return {"work": work, "text": text, "submitted": submitted, "states": job_states, "cancelled": cancelled,
             "resumed": resumed, "wall": wall}  # fmt: skip
 
 
