@@ -316,6 +316,15 @@ RECALL_KEYS = ("corpus", "accuracy", "n_queries", "by_distance", "chance")
 RECALL_BIN_KEYS = ("min_distance", "max_distance", "accuracy", "n")
 
 
+def _record(path, keys: tuple[str, ...], kind: str) -> dict:
+    """The JSON record at ``path``; a ValueError names the ``keys`` it lacks."""
+    record = json.loads(Path(path).read_text())
+    missing = [k for k in keys if k not in record]
+    if missing:
+        raise ValueError(f"{path}: {kind} record lacks {missing}; expected {list(keys)}")
+    return record
+
+
 def summarize_recall(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
     """Tidy recall accuracy: per (run, corpus) one ``scope = overall`` row and one row per distance bin.
 
@@ -326,10 +335,7 @@ def summarize_recall(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | 
     """
     rows, seen = [], {}
     for path in jsons:
-        record = json.loads(Path(path).read_text())
-        missing = [k for k in RECALL_KEYS if k not in record]
-        if missing:
-            raise ValueError(f"{path}: recall record lacks {missing}; expected {list(RECALL_KEYS)}")
+        record = _record(path, RECALL_KEYS, "recall")
         fields = _run_fields(record, path) | {"corpus": record["corpus"], "split": record.get("split") or ""}
         key = (fields["run"], fields["corpus"], fields["split"])
         if key in seen:
@@ -383,10 +389,7 @@ def _longctx_records(jsons: Iterable[os.PathLike | str]) -> list[tuple[dict, dic
     on a corpus once."""
     out, seen = [], {}
     for path in jsons:
-        record = json.loads(Path(path).read_text())
-        missing = [k for k in LONGCTX_KEYS if k not in record]
-        if missing:
-            raise ValueError(f"{path}: long-context record lacks {missing}; expected {list(LONGCTX_KEYS)}")
+        record = _record(path, LONGCTX_KEYS, "long-context")
         fields = _run_fields(record, path) | {"corpus": record["corpus"], "split": record.get("split") or "",
                                               "seq_len": record["seq_len"]}  # fmt: skip
         key = (fields["run"], fields["corpus"])
