@@ -34,6 +34,22 @@ P parameters at b bytes (4 for capture_dtype float32, else 2):
     mem_mb   = (captured + P b) / 2^20 + overhead_mb  the capture streams into one preallocated copy (dimattn.capture)
     runtime  = margin * (2 P N T + 4 L N T^2 H h) / throughput / 60 + startup_min
 
+fit_projection, one projection a layer of a model whose capture has L layers, H query heads and
+H_kv key/value heads of head_dim h (d_v = h), N_fit and N_eval sequences of T tokens, at width d';
+the fit reads the fit capture, then scores fidelity on the eval capture, a layer at a time
+(dimattn.affine.LayerFile). A layer's fit takes S = E * ceil(I / B) optimizer steps (E
+``dimpo.hparams.epochs``, B ``batch_size``, 1 by default as the authors') over I instances
+(``n_instances``, or every query_stride-th query, stride H by default: N_fit * T), each against
+its T keys, with a listwise term over P preferred keys (``max_preferred``, or all T) at most:
+
+    layer    = max(N_fit, N_eval) * T * (H + 2 H_kv [+ 2 H_kv far]) * h * 4   one layer's q, k, v, fp32
+    mem_mb   = 3 * layer / 2^20 + overhead_mb    (FIT_LAYER_COPIES) the layer, its gathered keys and the work (measured
+                                                 2.3x a layer, tests/test_streamed_layers.py)
+    FLOPs    = L * (E * I * (6 T (h d' + h + d') + 4 T P) + N_eval * H * T^2 * 2 (3 h + d'))
+               fit: F(q) F(K)^T beside q K^T, forward and backward, and the pairs; fidelity: psi, pi, psi V - pi V
+    runtime  = margin * (FLOPs / throughput + L * S * step_ms / 1000) / 60 + startup_min
+               step_ms (``cluster.step_ms``): a step's fixed cost, which at batch 1 outweighs its FLOPs
+
 A hub model's shape is read from its config.json in the local Hugging Face cache, which the
 ``prefetch`` rule fills on the login node; before that (a dry run on a fresh clone) the capture
 asks its configured ``dimpo.resources``.
@@ -46,6 +62,7 @@ import math
 import os
 
 MIB = 2**20
+FIT_LAYER_COPIES = 3  # a fit job's host memory, in layers of its capture (see fit_projection below)
 
 # What makes huggingface_hub, datasets and transformers read their caches only.
 # evaluate (lm-eval's MBPP loads its code_eval) has its own switch: without it, it asks
@@ -167,6 +184,34 @@ def capture(shape: dict | None, n_sequences: int, seq_len: int, capture_dtype: s
     }
 
 
+def fit(shape: dict | None, n_fit: int, n_eval: int, seq_len: int, d_prime: int, hparams: dict,
+        resources: dict, device: str, cluster: dict) -> dict:  # fmt: skip
+    """First-attempt {mem_mb, runtime} of a fit_projection job (module docstring), an upper bound
+    over the objectives (every hparams.per_objective entry); configured floors kept, and the
+    configured values alone when the shape is unknown."""
+    floor = {"mem_mb": resources["mem_mb"], "runtime": resources["runtime"]}
+    if shape is None:
+        return floor
+    layers, heads, kv, h = (shape[k] for k in ("layers", "heads", "kv_heads", "head_dim"))
+    kv_parts = 4 * kv if shape.get("far") else 2 * kv
+    layer = max(n_fit, n_eval) * seq_len * (heads + kv_parts) * h * 4
+    seconds = 0.0
+    for hp in [hparams, *(hparams | o for o in (hparams.get("per_objective") or {}).values())]:
+        stride = hp.get("query_stride") or heads
+        instances = hp.get("n_instances") or n_fit * heads * math.ceil(seq_len / stride)
+        epochs, batch = hp.get("epochs") or 1, hp.get("batch_size") or 1
+        steps = hp.get("steps") or epochs * math.ceil(instances / batch)
+        preferred = min(hp.get("max_preferred") or seq_len, seq_len)
+        per_instance = 6 * seq_len * (h * d_prime + h + d_prime) + 4 * seq_len * preferred
+        flops = layers * (epochs * instances * per_instance + n_eval * heads * seq_len**2 * 2 * (3 * h + d_prime))
+        compute = flops / (cluster["throughput_tflops"][device] * 1e12)
+        seconds = max(seconds, compute + layers * steps * cluster["step_ms"][device] / 1000)
+    return {
+        "mem_mb": max(floor["mem_mb"], math.ceil(FIT_LAYER_COPIES * layer / MIB + cluster["overhead_mb"][device])),
+        "runtime": max(floor["runtime"], math.ceil(cluster["margin"] * seconds / 60 + cluster["startup_min"])),
+    }
+
+
 def _vocab(config: dict) -> int:
     """Our tokenizer's size; a hub tokenizer's is not known at planning: the schema's largest
     vocabulary, 65,536, an upper bound (Pythia's is 50,277)."""
@@ -175,11 +220,12 @@ def _vocab(config: dict) -> int:
 
 
 def first_attempts(plan) -> dict:
-    """{"pretrain": {run: {mem_mb, runtime}}, "capture": {model: {mem_mb, runtime}}} of a
-    dimattn.sweeps plan, every one checked against the node (ResourceError naming the key)."""
+    """{"pretrain": {run: {mem_mb, runtime}}, "capture": {model: {mem_mb, runtime}}, "fit":
+    {model: function of d' -> {mem_mb, runtime}}} of a dimattn.sweeps plan, every one checked
+    against the node (ResourceError naming the key; a fit at its widest, d' = head_dim)."""
     config, cluster = plan.config, plan.config["cluster"]
     device, vocab = config["device"], _vocab(config)
-    out = {"pretrain": {}, "capture": {}}
+    out = {"pretrain": {}, "capture": {}, "fit": {}}
     for name, run in plan.runs.items():
         asks = pretrain(run.model, run.training, run.resources, vocab, device, cluster)
         for resource, value in asks.items():
@@ -194,6 +240,15 @@ def first_attempts(plan) -> dict:
         for resource, value in asks.items():
             check_node(f"dimpo.resources.{resource} (the capture of {model})", resource, value, cluster)
         out["capture"][model] = asks
+
+        def fit_asks(d_prime, shape=shape, cfg=cfg):
+            return fit(shape, cfg["fit_sequences"], cfg["eval_sequences"], cfg["seq_len"], int(d_prime),
+                       plan.dimpo["hparams"], plan.dimpo["resources"], device, cluster)  # fmt: skip
+
+        widest = fit_asks(shape["head_dim"]) if shape else fit_asks(1)
+        for resource, value in widest.items():
+            check_node(f"dimpo.resources.{resource} (the fits of {model})", resource, value, cluster)
+        out["fit"][model] = fit_asks
     for resource in ("mem_mb", "runtime"):  # the other DimPO jobs ask the configured values
         check_node(f"dimpo.resources.{resource}", resource, plan.dimpo["resources"][resource], cluster)
     return out

@@ -147,6 +147,12 @@ def capture_resource(key):
     return scaled(lambda wc: FIRST_ATTEMPTS["capture"][wc.model][key], key)
 
 
+def fit_resource(key):
+    """mem_mb or runtime of a fit: dimpo.resources or the estimate from the model's shape, the
+    captures' tokens and d' (dimattn.resources.fit), whichever is larger."""
+    return scaled(lambda wc: FIRST_ATTEMPTS["fit"][wc.model](wc.d_prime)[key], key)
+
+
 def dimpo_resource(key):
     return scaled(PLAN.dimpo["resources"][key], key)
 

@@ -43,7 +43,7 @@ def test_retries_grow_memory_and_runtime_up_to_the_node():
 def test_every_rule_asks_memory_and_runtime_through_the_attempt_scaled_helpers():
     """No rule has a literal or an attempt lambda of its own, which would grow memory only and
     ask past the node (2 x 256 GB a node for the 2-node pretraining)."""
-    helpers = r"(scaled\(\d+, \"(mem_mb|runtime)\"\)|(run|capture|dimpo)_resource\(\"(mem_mb|runtime)\"\))"
+    helpers = r"(scaled\(\d+, \"(mem_mb|runtime)\"\)|(run|capture|fit|dimpo)_resource\(\"(mem_mb|runtime)\"\))"
     asks = [(f.name, line.strip()) for f in RULE_FILES for line in f.read_text().splitlines()
             if re.match(r"\s+(mem_mb|runtime)=", line)]  # fmt: skip
     assert len(asks) > 40
@@ -58,6 +58,32 @@ def test_the_paper_scales_ask_their_floors_or_more_and_never_past_the_node():
         assert asks["mem_mb"] >= run.resources["mem_mb"] and asks["runtime"] >= run.resources["runtime"]
         for attempt in (1, 2, 3):
             assert resources.attempt_scaled(asks["mem_mb"], attempt, CLUSTER["node_mem_mb"]) <= CLUSTER["node_mem_mb"]
+
+
+LLAMA_8B = dict(layers=32, heads=32, kv_heads=8, head_dim=128, params=8_030_261_248)  # its config.json
+FLOORS = {"mem_mb": 0, "runtime": 0}
+
+
+def test_a_fit_asks_one_layer_of_its_capture_and_time_that_follows_its_steps():
+    """Llama-3.1-8B at the paper's capture (10 + 10 chapters of 4,096 tokens), on a GPU: one
+    layer's fp32 q, k, v is 10 * 4096 * (32 + 2 * 8) * 128 * 4 B = 960 MiB, so a fit asks 3 of
+    them and a process's overhead, whatever the layer count (the whole capture is 30 GiB)."""
+    p = plan(REPO / "configs/paper.yaml")
+    cluster, hparams = p.config["cluster"], p.dimpo["hparams"]
+
+    def ask(shape=LLAMA_8B, n=10, d_prime=64, hp=hparams, device="cuda"):
+        return resources.fit(shape, n, n, 4096, d_prime, hp, FLOORS, device, cluster)
+
+    assert ask()["mem_mb"] == 3 * 960 + cluster["overhead_mb"]["cuda"]
+    assert ask(LLAMA_8B | {"layers": 64})["mem_mb"] == ask()["mem_mb"]  # streamed: layers cost time, not memory
+    assert ask(n=20)["mem_mb"] - cluster["overhead_mb"]["cuda"] == 2 * 3 * 960
+    # batch 1 (the authors'): 32 layers x 10 * 4096 steps of step_ms dominate on a GPU
+    steps_min = 32 * 10 * 4096 * cluster["step_ms"]["cuda"] / 1000 / 60
+    assert steps_min * cluster["margin"] < ask()["runtime"] < 1.2 * steps_min * cluster["margin"] + cluster["startup_min"]
+    assert ask(hp=hparams | {"batch_size": 64})["runtime"] < ask()["runtime"] / 4
+    assert ask(device="cpu", d_prime=64)["runtime"] > ask(device="cpu", d_prime=1)["runtime"]  # FLOPs grow with d'
+    assert resources.fit(None, 10, 10, 4096, 64, hparams, p.dimpo["resources"], "cuda", cluster) == {
+        k: p.dimpo["resources"][k] for k in ("mem_mb", "runtime")}  # shape unknown (no prefetch yet): the floor
 
 
 def test_a_first_attempt_beyond_the_node_is_refused_naming_the_key():
