@@ -127,8 +127,8 @@ rule score_projected:
         "../envs/lm_eval.yaml"
     threads: 1
     resources:
-        runtime=dimpo_resource("runtime"),
-        mem_mb=dimpo_resource("mem_mb"),
+        runtime=score_resource("score_projected", "runtime"),
+        mem_mb=score_resource("score_projected", "mem_mb"),
         gpu=gpu_count(),
     params:
         downstream=PLAN.downstream,
