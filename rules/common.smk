@@ -307,18 +307,6 @@ def longctx_files():
     ]
 
 
-def longctx_summary():
-    """The suite's summaries and its needle heat map, where a run is trained on it (not yet a
-    table of dimattn.reporting.outputs)."""
-    if not PLAN.longctx_runs:
-        return []
-    return [
-        paths.summary("longctx"),
-        paths.summary("longctx_needle"),
-        paths.figure("longctx_needle"),
-    ]
-
-
 def lm_eval_files():
     return [paths.lm_eval(run) for run in PLAN.lm_eval_runs]
 
