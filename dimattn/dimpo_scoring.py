@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .atomic import write_json
 from .data import load_tokens
-from .evaluation import lm_eval_results, load_model, perplexity
+from .evaluation import in_dtype, lm_eval_results, load_model, perplexity
 from .lm_eval_tasks import TASKS_DIR, own_task_names
 from .settings import downstream_tasks
 
@@ -79,17 +79,21 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
     for path in (recall or {}).values():
         load_examples(path)  # a damaged corpus fails before any scoring
     record = {**fields, "perplexity": {}, "recall": {}, "results": {}, "num_fewshot": {}}
+    model = None
     if tokens or recall:
         model = load_model(model_dir, device)
         for corpus, path in tokens.items():
             record["perplexity"][corpus] = perplexity(model, load_tokens(path)[0], seq_len, batch_size, max_tokens)
         for corpus, path in (recall or {}).items():
             record["recall"][corpus] = score_recall(model, path, batch_size, through_cache=True)
-        del model
     tasks = downstream_tasks(tasks, fields.get("d_prime", 0))  # a task's d_prime: the widths it scores
+    # lm-eval scores the loaded model where a task is in its dtype; else it is freed first
+    if model is not None and not any(in_dtype(model, t.get("dtype", "float32")) for t in tasks):
+        model = None
     if tasks:
         record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata,
-                                      partial_dir=partial_dir))  # fmt: skip
+                                      partial_dir=partial_dir, model=model))  # fmt: skip
+    del model
     write_json(record, out_json)
     if partial_dir is not None:
         shutil.rmtree(partial_dir, ignore_errors=True)

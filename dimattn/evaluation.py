@@ -58,9 +58,10 @@ def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tok
 
 
 def evaluate_perplexity(model_dir: Path, tokens_bin: Path, corpus: str, seq_len: int, batch_size: int,
-                        max_tokens: int | None, out_json: Path, device: str = "cpu") -> dict:
+                        max_tokens: int | None, out_json: Path, device: str = "cpu", model=None) -> dict:  # fmt: skip
+    """``model``: model_dir already loaded (load_model), so that one job loads it once."""
     tokens, _ = load_tokens(tokens_bin)
-    model = load_model(model_dir, device)
+    model = load_model(model_dir, device) if model is None else model
     result = {**run_metadata(model_dir), "corpus": corpus, "split": "test"}
     result.update(perplexity(model, tokens, seq_len, batch_size, max_tokens))
     write_json(result, out_json)
@@ -174,9 +175,14 @@ def long_enough_samples(lm, manager, name: str, shots: int, chat: bool, limit: i
     return samples, counts
 
 
+def in_dtype(model, dtype: str) -> bool:
+    """Whether a loaded model's weights are in ``dtype`` (a task's dtype: lm-eval can score it as loaded)."""
+    return model.dtype == getattr(torch, dtype, None)
+
+
 def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, device: str = "cpu",
                     dtype: str = "float32", metadata: dict | None = None, allow_unsafe_code: bool = False,
-                    partial_dir: Path | None = None, min_context: int | None = None) -> dict:  # fmt: skip
+                    partial_dir: Path | None = None, min_context: int | None = None, model=None) -> dict:  # fmt: skip
     """lm-eval's own `hf` model on ``model_dir``: {"results": ..., "num_fewshot": ...}.
 
     tasks = [{"name", "num_fewshot", "batch_size", "chat_template", "dtype"}] (the last three
@@ -190,7 +196,9 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
     model's fingerprint): a failing task loses nothing else, and a rerun scores only the tasks
     missing there. Every task is tried before the first failure is raised. ``min_context``:
     only documents whose context has that many tokens (long_enough_samples; the record's
-    "context_filter" gives {subtask: [kept, of]})."""
+    "context_filter" gives {subtask: [kept, of]}). ``model``: model_dir already loaded
+    (load_model): lm-eval's `hf` model wraps it for the tasks in its dtype instead of loading
+    the directory again."""
     import lm_eval
     from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
@@ -227,8 +235,12 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
         try:
             if lm_key != (task_dtype, size):
                 lm = None  # free the previous model before loading the next
+                # lm-eval takes a loaded model as `pretrained` (then it reads neither dtype nor
+                # device); the tokenizer is still the directory's
+                loaded = model is not None and in_dtype(model, task_dtype)
                 lm = get_model("hf").create_from_arg_obj(
-                    {"pretrained": str(model_dir), "trust_remote_code": True, "dtype": task_dtype},
+                    {"pretrained": model if loaded else str(model_dir), "tokenizer": str(model_dir),
+                     "trust_remote_code": True, "dtype": task_dtype},
                     {"batch_size": size, "device": device},
                 )  # fmt: skip
                 lm_key = (task_dtype, size)
@@ -314,16 +326,16 @@ def _without_env_info():
 
 def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
                 device: str = "cpu", dtype: str = "float32", allow_unsafe_code: bool = False,
-                partial_dir: Path | None = None, exclude_shorter_than_window: bool = False) -> dict:  # fmt: skip
+                partial_dir: Path | None = None, exclude_shorter_than_window: bool = False, model=None) -> dict:  # fmt: skip
     """lm_eval_results of one of our runs, with its run fields, as JSON; the per-task partial
     results (``partial_dir``) are removed once the whole record is written.
     ``exclude_shorter_than_window``: seed 000 Table 4's filter at the run's window (a run without
-    one, or with w = 0, keeps every document)."""
+    one, or with w = 0, keeps every document). ``model``: the run already loaded (load_model)."""
     meta = run_metadata(model_dir)
     window = meta.get("window") if exclude_shorter_than_window else None
     record = {**meta, **lm_eval_results(model_dir, tasks, batch_size, limit, device, dtype,
                                         allow_unsafe_code=allow_unsafe_code, partial_dir=partial_dir,
-                                        min_context=window or None)}  # fmt: skip
+                                        min_context=window or None, model=model)}  # fmt: skip
     write_json(record, out_json)
     if partial_dir is not None:
         shutil.rmtree(partial_dir, ignore_errors=True)

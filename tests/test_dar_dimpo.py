@@ -11,7 +11,8 @@ from dimattn import DimAttnConfig, DimAttnForCausalLM
 from dimattn.affine import Affine, DamagedFileError, save_projections
 from dimattn.capture import capture_qkv
 from dimattn.modeling_dimattn import DimAttnCache
-from dimattn.modeling_projected import attach_projections, save_projected_model
+from dimattn.configuration_projected import save_projected_model
+from dimattn.modeling_projected import attach_projections
 from dimattn.projections import (
     attention_fidelity,
     build_instances,

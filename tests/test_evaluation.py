@@ -247,6 +247,23 @@ def test_lm_eval_gets_each_tasks_dtype_batch_and_chat_template(tmp_path, monkeyp
                             ("ruler_vt", ("lm", "bfloat16", 1), True, 0)]
 
 
+def test_lm_eval_scores_the_loaded_model_for_tasks_in_its_dtype(scored_run, monkeypatch):
+    """score_text loads a run once: lm-eval's hf model wraps the loaded model, with the scores it
+    gets from the directory; a task in another dtype loads the directory in that dtype."""
+    import transformers
+
+    tasks = [{"name": evaluation.NEXT_LINE_TASK}, {"name": evaluation.HELDOUT_TASK}]
+    from_dir = evaluation.lm_eval_results(scored_run, tasks, 2, 2)
+    model, loads = evaluation.load_model(scored_run), []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **kw: loads.append(kw.get("dtype")) or real(*a, **kw))
+    assert evaluation.lm_eval_results(scored_run, tasks, 2, 2, model=model) == from_dir and loads == []
+    evaluation.lm_eval_results(scored_run, [{"name": evaluation.NEXT_LINE_TASK, "dtype": "bfloat16"}], 2, 2,
+                               model=model)  # fmt: skip
+    assert len(loads) == 1 and str(loads[0]).endswith("bfloat16")
+
+
 def test_table4_scores_only_documents_whose_context_reaches_the_window(scored_run, tmp_path):
     """Seed 000 Table 4 excludes samples whose input context is shorter than the window: lm-eval
     scores exactly the next-line choices whose context ("{{context}}\\n", 0-shot) has at least w

@@ -41,7 +41,7 @@ TIMEOUT = 900
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 # The projected model directories' config.json names its base model by absolute path
-# (dimattn.modeling_projected.save_projected_model), so the working directory's path is written
+# (dimattn.configuration_projected.save_projected_model), so the working directory's path is written
 # as <workdir> before comparing.
 WORKDIR = b"<workdir>"
 # Checkpoints are not outputs but resume state; after a resume, pickle's memo refers back to a

@@ -3,10 +3,12 @@ our own models, against a naive reference written from seed 003's equation; the 
 F(k); and the projected model directory that AutoModelForCausalLM (and lm-eval) loads."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
@@ -19,14 +21,15 @@ from transformers.modeling_utils import AttentionInterface
 
 from dimattn import DimAttnConfig, DimAttnForCausalLM
 from dimattn.affine import Affine, save_projections
+from dimattn.configuration_projected import save_projected_model
 from dimattn.modeling_projected import (
     ProjectedCache,
     attach_projections,
     attention_modules,
-    save_projected_model,
 )
 
 D_PRIME = 4
+REPO = Path(__file__).resolve().parents[1]
 
 
 def llama():
@@ -211,15 +214,32 @@ def test_projected_directory_loads_with_auto_model(directories, name):
     from dimattn.affine import load_projections
 
     base_dir, projections_path, projected = directories[name]
-    assert {"config.json", "projections.safetensors", "modeling_projected.py", "affine.py", "hf.py",
-            "atomic.py", "tokenizer.json"} <= {p.name for p in projected.iterdir()}  # fmt: skip
+    assert {"config.json", "projections.safetensors", "modeling_projected.py", "configuration_projected.py",
+            "affine.py", "hf.py", "atomic.py", "tokenizer.json"} <= {p.name for p in projected.iterdir()}  # fmt: skip
+    config = AutoConfig.from_pretrained(projected, trust_remote_code=True)
     loaded = AutoModelForCausalLM.from_pretrained(projected, trust_remote_code=True).eval()
+    assert type(config).__name__ == "ProjectedConfig" and type(config).__module__.endswith(".configuration_projected")
     reference = AutoModelForCausalLM.from_pretrained(base_dir, trust_remote_code=name == "ours").eval()
     projections, _ = load_projections(projections_path)
     attach_projections(reference, projections, 2, "d_prime")
     x = ids(t=10)
     torch.testing.assert_close(loaded(x).logits, reference(x).logits)
     assert type(loaded).__name__.startswith("Projected")
+
+
+def test_writing_a_projected_directory_needs_no_modeling_stack(directories, tmp_path):
+    """project_model (a config, a tokenizer and files copied) imports neither transformers'
+    modeling stack nor the loader: about 2 s of a 4.5 s job, before."""
+    import subprocess
+    import sys
+
+    base_dir, projections_path, _ = directories["llama"]
+    code = ("import sys; from dimattn.configuration_projected import save_projected_model; "
+            f"save_projected_model({str(tmp_path / 'p')!r}, {str(base_dir)!r}, {str(projections_path)!r}, 2); "
+            "heavy = [m for m in ('transformers.modeling_utils', 'dimattn.modeling_projected') if m in sys.modules]; "
+            "assert not heavy, heavy")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+    assert (tmp_path / "p" / "modeling_projected.py").is_file()
 
 
 def test_save_refuses_more_layers_than_the_model_has(directories, tmp_path):

@@ -438,7 +438,7 @@ def test_score_projected_runs_the_probe_through_a_projected_directory(tmp_path):
     from dimattn.affine import Affine, save_projections
     from dimattn.dimpo_scoring import score_projected
     from dimattn.evaluation import load_model
-    from dimattn.modeling_projected import save_projected_model
+    from dimattn.configuration_projected import save_projected_model
     from dimattn.recall import find_queries, load_examples, predict_through_cache
 
     s = RecallSettings(**SMALL)

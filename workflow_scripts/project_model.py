@@ -3,7 +3,7 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.modeling_projected import save_projected_model
+    from dimattn.configuration_projected import save_projected_model
 
     wc, p = snakemake.wildcards, snakemake.params
     projections = Path(snakemake.input.projections) if snakemake.input.projections else None

@@ -5,7 +5,7 @@ from _workflow import logged
 with logged(snakemake):
     from dimattn.dimpo_scoring import score_projected
     from dimattn.kv_compression import kv_fields
-    from dimattn.modeling_projected import ProjectedConfig
+    from dimattn.configuration_projected import ProjectedConfig
 
     wc, p = snakemake.wildcards, snakemake.params
     model_dir = Path(snakemake.input.model)
