@@ -54,18 +54,35 @@ def _resumed_from(log: str) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The same targets, uninterrupted, on the local executor."""
+def reference_run(tmp_path_factory):
+    """The same targets, uninterrupted, on the local executor, started in the background: it runs
+    while the SLURM run mostly waits on the cluster (sbatch, the plugin's status checks)."""
     work = workdir(tmp_path_factory.mktemp("reference"))
-    out = snakemake("--cores", "2", *CONFIG_ARGS, *TARGETS, cwd=work, timeout=600)
-    if out.returncode != 0:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    with open(work / "snakemake.out", "w") as sink:
+        proc = subprocess.Popen([*SNAKEMAKE, "--directory", str(work), "--cores", "2", *CONFIG_ARGS, *TARGETS],
+                                stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=work)  # fmt: skip
+    yield proc, work
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    proc, work = reference_run
+    try:
+        rc = proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    if rc != 0:
         logs = "".join(f"\n== {p}\n{p.read_text()[-3000:]}" for p in sorted((work / "logs").rglob("*.log")))
-        pytest.fail(f"reference run failed:\n{out.stderr[-5000:]}\n{logs[-10000:]}")
+        pytest.fail(f"reference run failed ({rc}):\n{(work / 'snakemake.out').read_text()[-5000:]}\n{logs[-10000:]}")
     return work
 
 
 @pytest.fixture(scope="module")
-def slurm_run(cluster, tmp_path_factory, reference):
+def slurm_run(reference_run, cluster, tmp_path_factory):  # the reference starts first, beside apt and the daemons
     """The targets through SLURM, the pretraining job scancelled once it has a checkpoint."""
     work = workdir(tmp_path_factory.mktemp("slurm-run"))
     cluster["roots"].append(work)
