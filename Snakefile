@@ -22,4 +22,3 @@ include: "rules/report.smk"
 rule all:
     input:
         report_targets(),
-        longctx_summary(),

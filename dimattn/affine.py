@@ -10,8 +10,9 @@ dimattn.capture): one safetensors file of ``layer{l}.{part}`` tensors, with JSON
   (each value JSON) and back;
 * :func:`save_atomic`: write the tensors under a temporary name, metadata sorted so that equal
   contents give equal bytes, then rename;
-* :func:`load_layers`: ``({layer: {part: tensor}}, metadata)``, a missing, truncated or corrupt
-  file or a tensor of another name refused (:class:`DamagedFileError`) naming the file;
+* :class:`LayerFile`: ``{layer: {part: tensor}}`` read a layer at a time, shapes and metadata
+  from the header; a missing, truncated or corrupt file or a tensor of another name refused
+  (:class:`DamagedFileError`) naming the file. :func:`load_layers` reads every layer at once;
 * :func:`check_meta`: refuse metadata that contradicts or lacks what the tensors say.
 """
 
@@ -23,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import safe_open, save_file
 
 from .atomic import atomic_file
 
@@ -52,32 +53,69 @@ def read_metadata(path, what: str = "file") -> dict:
     return meta
 
 
+def _unreadable(path, what: str, e: Exception) -> DamagedFileError:
+    return DamagedFileError(
+        f"{what} {path} is not a readable safetensors file ({e}): truncated or corrupt; "
+        "delete it and rerun the step that wrote it"
+    )
+
+
+class LayerFile(Mapping):
+    """{layer: {part: tensor}} of a safetensors file of ``layer{l}.{part}`` tensors, each layer
+    read from the file when it is asked for, never the whole file at once: a paper-scale capture
+    (Llama-3.1-8B, 32 layers, 10 x 4,096 tokens: 32 GiB of fp32 q, k, v) goes through a fit or a
+    fidelity pass a layer at a time, so the job's host memory is one layer's, not the file's
+    (dimattn.resources.fit). Bind ``f[layer]`` once a layer: each access reads it again.
+
+    ``shapes`` ({layer: {part: shape}}) and ``meta`` come from the header alone; ``extra``
+    ({layer: {key: value}}) adds non-tensor entries to a layer (a capture's DAR window). A
+    missing, truncated or corrupt file, or a tensor of another name, is refused naming the file.
+    """
+
+    def __init__(self, path, parts: tuple[str, ...], what: str):
+        self.path, self.what = Path(path), what
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{what} {self.path} does not exist")
+        try:  # safetensors checks at opening that the header's offsets cover the file exactly
+            with safe_open(str(self.path), framework="pt") as f:
+                shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            self.meta = read_metadata(self.path, what)
+        except (SafetensorError, OSError) as e:
+            raise _unreadable(self.path, what, e) from None
+        self.shapes: dict[int, dict[str, tuple]] = {}
+        for name, shape in shapes.items():
+            layer, _, part = name.partition(".")
+            number = layer.removeprefix("layer")
+            if not (layer.startswith("layer") and number.isdigit() and part in parts):
+                expected = " or ".join(f"layer<l>.{p}" for p in parts)
+                raise DamagedFileError(f"{what} {self.path}: unexpected tensor {name!r} (expected {expected})")
+            self.shapes.setdefault(int(number), {})[part] = shape
+        if not self.shapes:
+            raise DamagedFileError(f"{what} {self.path} holds no tensors")
+        self.shapes = dict(sorted(self.shapes.items()))
+        self.extra: dict[int, dict] = {}
+
+    def __getitem__(self, layer: int) -> dict:
+        parts = self.shapes[layer]
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                tensors = {part: f.get_tensor(f"layer{layer}.{part}") for part in parts}
+        except (SafetensorError, OSError) as e:
+            raise _unreadable(self.path, self.what, e) from None
+        return tensors | self.extra.get(layer, {})
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
 def load_layers(path, parts: tuple[str, ...], what: str) -> tuple[dict[int, dict[str, torch.Tensor]], dict]:
-    """({layer: {part: tensor}}, metadata) from a safetensors file of ``layer{l}.{part}``
-    tensors; a missing, truncated or corrupt file, or a tensor of another name, is refused with
-    the file named."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} {path} does not exist")
-    try:
-        tensors = load_file(str(path))
-        meta = read_metadata(path, what)
-    except (SafetensorError, OSError) as e:
-        raise DamagedFileError(
-            f"{what} {path} is not a readable safetensors file ({e}): truncated or corrupt; "
-            "delete it and rerun the step that wrote it"
-        ) from None
-    layers: dict[int, dict[str, torch.Tensor]] = {}
-    for name, tensor in tensors.items():
-        layer, _, part = name.partition(".")
-        number = layer.removeprefix("layer")
-        if not (layer.startswith("layer") and number.isdigit() and part in parts):
-            expected = " or ".join(f"layer<l>.{p}" for p in parts)
-            raise DamagedFileError(f"{what} {path}: unexpected tensor {name!r} (expected {expected})")
-        layers.setdefault(int(number), {})[part] = tensor
-    if not layers:
-        raise DamagedFileError(f"{what} {path} holds no tensors")
-    return dict(sorted(layers.items())), meta
+    """({layer: {part: tensor}}, metadata), every layer read now (a :class:`LayerFile`'s
+    checks); for small files (projections)."""
+    layers = LayerFile(path, parts, what)
+    return {layer: layers[layer] for layer in layers}, layers.meta
 
 
 def check_meta(path, what: str, meta: dict, derived: dict) -> None:
@@ -214,6 +252,7 @@ def check_head_dim(projections, head_dim: int, source) -> None:
 __all__ = [
     "Affine",
     "DamagedFileError",
+    "LayerFile",
     "as_affine",
     "check_head_dim",
     "load_projections",

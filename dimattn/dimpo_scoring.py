@@ -13,6 +13,7 @@ from .atomic import write_json
 from .data import load_tokens
 from .evaluation import lm_eval_results, load_model, perplexity
 from .lm_eval_tasks import TASKS_DIR, own_task_names
+from .settings import downstream_tasks
 
 
 # What AutoModelForCausalLM / AutoTokenizer.from_pretrained read of a hub model: config and
@@ -59,12 +60,6 @@ def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_js
         done[model] = names
     write_json({"models": done, "lm_eval_tasks": harness, "metadata": metadata or {}}, out_json)
     return done
-
-
-def downstream_tasks(tasks: list[dict], d_prime: int) -> list[dict]:
-    """The dimpo.downstream.tasks a projected model of width ``d_prime`` is scored on: those
-    whose ``d_prime`` lists it (or that give none); the base model (d' 0) takes every task."""
-    return [t for t in tasks if not d_prime or d_prime in t.get("d_prime", [d_prime])]
 
 
 def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_len: int, batch_size: int,

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .affine import Affine, DamagedFileError, as_affine, check_head_dim, check_meta, encode_metadata, load_layers
+from .affine import Affine, DamagedFileError, LayerFile, as_affine, check_head_dim, check_meta, encode_metadata
 from .affine import load_projections, logit_scale, projected_logits, save_atomic, save_projections
 from .atomic import atomic_file
 from .formats import FIDELITY_COLUMNS
@@ -87,20 +87,21 @@ def save_capture(capture, path, meta: Mapping | None = None) -> None:
 
 
 def load_capture(path):
-    """(capture, meta) as written by :func:`save_capture`; a layer with far keys gets its
-    ``window`` back from the metadata. A truncated or corrupt file, a layer missing q, k or v,
-    shapes that disagree (q (N, H, T, d), k and v (N, H_kv, T, .), H a multiple of H_kv, every
-    layer alike, k_far and v_far shaped as k and v), or metadata contradicting them is refused
-    naming the file."""
+    """(capture, meta) as written by :func:`save_capture`: capture a :class:`~dimattn.affine.LayerFile`,
+    read a layer at a time (a paper-scale capture does not fit in memory twice over); a layer with
+    far keys gets its ``window`` back from the metadata. A truncated or corrupt file, a layer
+    missing q, k or v, shapes that disagree (q (N, H, T, d), k and v (N, H_kv, T, .), H a
+    multiple of H_kv, every layer alike, k_far and v_far shaped as k and v), or metadata
+    contradicting them is refused naming the file, from the header, before any layer is read."""
     what = "capture"
-    capture, meta = load_layers(path, CAPTURE_PARTS, what)
-    first = min(capture)
-    for layer, qkv in capture.items():
-        missing = [part for part in "qkv" if part not in qkv]
+    capture = LayerFile(path, CAPTURE_PARTS, what)
+    meta, shapes = capture.meta, capture.shapes
+    first = min(shapes)
+    for layer, parts in shapes.items():
+        missing = [part for part in "qkv" if part not in parts]
         if missing:
             raise DamagedFileError(f"{what} {path}: layer {layer} has no {' or '.join(missing)} tensor")
-        shapes = {part: tuple(qkv[part].shape) for part in "qkv"}
-        q, k, v = shapes["q"], shapes["k"], shapes["v"]
+        q, k, v = parts["q"], parts["k"], parts["v"]
         ok = (
             len(q) == len(k) == len(v) == 4
             and q[0] == k[0] == v[0] and q[2] == k[2] == v[2]  # sequences, positions
@@ -111,24 +112,24 @@ def load_capture(path):
                 f"{what} {path}: layer {layer} has q {q}, k {k}, v {v}; expected q (N, H, T, d), "
                 "k (N, H_kv, T, d) and v (N, H_kv, T, d_v) with H a multiple of H_kv"
             )
-        if layer != first and shapes != {part: tuple(capture[first][part].shape) for part in "qkv"}:
-            ref = {part: tuple(capture[first][part].shape) for part in "qkv"}
-            raise DamagedFileError(f"{what} {path}: layer {layer} has shapes {shapes}, layer {first} {ref}")
-        far = {part: tuple(qkv[part].shape) for part in ("k_far", "v_far") if part in qkv}
+        qkv, ref = {part: parts[part] for part in "qkv"}, {part: shapes[first][part] for part in "qkv"}
+        if qkv != ref:
+            raise DamagedFileError(f"{what} {path}: layer {layer} has shapes {qkv}, layer {first} {ref}")
+        far = {part: parts[part] for part in ("k_far", "v_far") if part in parts}
         if far and far != {"k_far": k, "v_far": v}:
             raise DamagedFileError(f"{what} {path}: layer {layer} has {far}; expected k_far {k} and v_far {v}, "
                                    "shaped as k and v")  # fmt: skip
-    n, heads, seq_len, head_dim = capture[first]["q"].shape
-    derived = dict(head_dim=head_dim, heads=heads, kv_heads=capture[first]["k"].shape[1], seq_len=seq_len,
-                   n_sequences=n, layers=sorted(capture))  # fmt: skip
+    n, heads, seq_len, head_dim = shapes[first]["q"]
+    derived = dict(head_dim=head_dim, heads=heads, kv_heads=shapes[first]["k"][1], seq_len=seq_len,
+                   n_sequences=n, layers=sorted(shapes))  # fmt: skip
     check_meta(path, what, meta, derived)
     windows = meta.get("windows", {})
-    far = sorted(layer for layer, qkv in capture.items() if "k_far" in qkv)
+    far = sorted(layer for layer, parts in shapes.items() if "k_far" in parts)
     if sorted(int(layer) for layer in windows) != far:
         raise DamagedFileError(f"{what} {path}: metadata gives windows of layers {sorted(map(int, windows))}, "
                                f"the tensors hold far keys of layers {far}")  # fmt: skip
     for layer in far:
-        capture[layer]["window"] = int(windows[str(layer)])
+        capture.extra[layer] = {"window": int(windows[str(layer)])}
     return capture, meta
 
 
@@ -627,51 +628,56 @@ def attention_fidelity(capture, projections, *, causal: bool = False, scale: str
     for layer, projection in sorted(projections.items()):
         if layer not in capture:
             raise KeyError(f"projection for layer {layer} but the capture has layers {sorted(capture)}")
-        q, k, v = (capture[layer][name].to(device) for name in "qkv")
-        far = "k_far" in capture[layer]
-        if far:
-            k_far, v_far = (capture[layer][name].to(device) for name in ("k_far", "v_far"))
-        n, heads, seq_len, d = q.shape
-        kv_heads, d_v = k.shape[1], v.shape[-1]
-        proj = as_affine(projection).to(device=q.device, dtype=q.dtype)
-        low_scale = logit_scale(scale, d, proj.W.shape[0])
-        first = mse_head_chunk * ((heads - 1) // mse_head_chunk) if mse_head_chunk else 0
-        kl_sum = mse_sum = 0.0
-        for i in range(n):
-            for start in range(0, seq_len, chunk_size):
-                stop = min(start + chunk_size, seq_len)
-                width = stop if causal else seq_len
-                qc = q[i, :, start:stop]  # (H, c, d)
-                u = proj.query_vector(qc).reshape(kv_heads, heads // kv_heads, stop - start, d)
-                qc = qc.reshape(kv_heads, heads // kv_heads, stop - start, d)
-                keys, values = k[i, :, :width], v[i, :, :width]  # (H_kv, width, d)
-                full = torch.einsum("hgcd,htd->hgct", qc, keys) / math.sqrt(d)
-                low = torch.einsum("hgcd,htd->hgct", u, keys) * low_scale
-                if far:
-                    near = near_mask(torch.arange(start, stop, device=q.device)[:, None],
-                                     torch.arange(width, device=q.device), capture[layer]["window"])  # (c, width)
-                    far_keys = k_far[i, :, :width]
-                    full = torch.where(near, full, torch.einsum("hgcd,htd->hgct", qc, far_keys) / math.sqrt(d))
-                    low = torch.where(near, low, torch.einsum("hgcd,htd->hgct", u, far_keys) * low_scale)
-                if causal:
-                    future = torch.arange(width, device=q.device)[None, :] > torch.arange(start, stop, device=q.device)[:, None]
-                    full, low = full.masked_fill(future, float("-inf")), low.masked_fill(future, float("-inf"))
-                log_psi = torch.log_softmax(full, -1)
-                psi, pi = log_psi.exp(), torch.softmax(low, -1)
-                kl = torch.where(psi > 0, psi * (log_psi - torch.log(pi + KL_EPS)), torch.zeros_like(psi))
-                kl_sum += kl.sum(dtype=torch.float64).item()
-                if far:
-                    weights = psi - pi
-                    diff = (torch.einsum("hgct,htd->hgcd", weights.masked_fill(~near, 0.0), values)
-                            + torch.einsum("hgct,htd->hgcd", weights.masked_fill(near, 0.0), v_far[i, :, :width]))
-                else:
-                    diff = torch.einsum("hgct,htd->hgcd", psi - pi, values)
-                diff = diff.reshape(heads, stop - start, d_v)
-                mse_sum += diff[first:].pow(2).sum(dtype=torch.float64).item()
-        rows.append(
-            {"layer": layer, "kl": kl_sum / (n * heads * seq_len), "mse": mse_sum / (n * (heads - first) * seq_len * d_v)}
-        )
+        # a function a layer: its tensors are freed before the next layer is read (LayerFile)
+        kl, mse = _layer_fidelity(capture[layer], projection, causal, scale, mse_head_chunk, chunk_size, device)
+        rows.append({"layer": layer, "kl": kl, "mse": mse})
     return rows
+
+
+def _layer_fidelity(parts, projection, causal, scale, mse_head_chunk, chunk_size, device) -> tuple[float, float]:
+    """(mean KL, mean MSE) of one layer (attention_fidelity)."""
+    q, k, v = (parts[name].to(device) for name in "qkv")
+    far = "k_far" in parts
+    if far:
+        k_far, v_far = (parts[name].to(device) for name in ("k_far", "v_far"))
+    n, heads, seq_len, d = q.shape
+    kv_heads, d_v = k.shape[1], v.shape[-1]
+    proj = as_affine(projection).to(device=q.device, dtype=q.dtype)
+    low_scale = logit_scale(scale, d, proj.W.shape[0])
+    first = mse_head_chunk * ((heads - 1) // mse_head_chunk) if mse_head_chunk else 0
+    kl_sum = mse_sum = 0.0
+    for i in range(n):
+        for start in range(0, seq_len, chunk_size):
+            stop = min(start + chunk_size, seq_len)
+            width = stop if causal else seq_len
+            qc = q[i, :, start:stop]  # (H, c, d)
+            u = proj.query_vector(qc).reshape(kv_heads, heads // kv_heads, stop - start, d)
+            qc = qc.reshape(kv_heads, heads // kv_heads, stop - start, d)
+            keys, values = k[i, :, :width], v[i, :, :width]  # (H_kv, width, d)
+            full = torch.einsum("hgcd,htd->hgct", qc, keys) / math.sqrt(d)
+            low = torch.einsum("hgcd,htd->hgct", u, keys) * low_scale
+            if far:
+                near = near_mask(torch.arange(start, stop, device=q.device)[:, None],
+                                 torch.arange(width, device=q.device), parts["window"])  # (c, width)
+                far_keys = k_far[i, :, :width]
+                full = torch.where(near, full, torch.einsum("hgcd,htd->hgct", qc, far_keys) / math.sqrt(d))
+                low = torch.where(near, low, torch.einsum("hgcd,htd->hgct", u, far_keys) * low_scale)
+            if causal:
+                future = torch.arange(width, device=q.device)[None, :] > torch.arange(start, stop, device=q.device)[:, None]
+                full, low = full.masked_fill(future, float("-inf")), low.masked_fill(future, float("-inf"))
+            log_psi = torch.log_softmax(full, -1)
+            psi, pi = log_psi.exp(), torch.softmax(low, -1)
+            kl = torch.where(psi > 0, psi * (log_psi - torch.log(pi + KL_EPS)), torch.zeros_like(psi))
+            kl_sum += kl.sum(dtype=torch.float64).item()
+            if far:
+                weights = psi - pi
+                diff = (torch.einsum("hgct,htd->hgcd", weights.masked_fill(~near, 0.0), values)
+                        + torch.einsum("hgct,htd->hgcd", weights.masked_fill(near, 0.0), v_far[i, :, :width]))
+            else:
+                diff = torch.einsum("hgct,htd->hgcd", psi - pi, values)
+            diff = diff.reshape(heads, stop - start, d_v)
+            mse_sum += diff[first:].pow(2).sum(dtype=torch.float64).item()
+    return kl_sum / (n * heads * seq_len), mse_sum / (n * (heads - first) * seq_len * d_v)
 
 
 # ---- file-level steps, one per workflow rule (workflow_scripts/*.py call these) -------------

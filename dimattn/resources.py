@@ -34,6 +34,34 @@ P parameters at b bytes (4 for capture_dtype float32, else 2):
     mem_mb   = (captured + P b) / 2^20 + overhead_mb  the capture streams into one preallocated copy (dimattn.capture)
     runtime  = margin * (2 P N T + 4 L N T^2 H h) / throughput / 60 + startup_min
 
+fit_projection, one projection a layer of a model whose capture has L layers, H query heads and
+H_kv key/value heads of head_dim h (d_v = h), N_fit and N_eval sequences of T tokens, at width d';
+the fit reads the fit capture, then scores fidelity on the eval capture, a layer at a time
+(dimattn.affine.LayerFile). A layer's fit takes S = E * ceil(I / B) optimizer steps (E
+``dimpo.hparams.epochs``, B ``batch_size``, 1 by default as the authors') over I instances
+(``n_instances``, or every query_stride-th query, stride H by default: N_fit * T), each against
+its T keys, with a listwise term over P preferred keys (``max_preferred``, or all T) at most:
+
+    layer    = max(N_fit, N_eval) * T * (H + 2 H_kv [+ 2 H_kv far]) * h * 4   one layer's q, k, v, fp32
+    mem_mb   = 3 * layer / 2^20 + overhead_mb    (FIT_LAYER_COPIES) the layer, its gathered keys and the work (measured
+                                                 2.3x a layer, tests/test_streamed_layers.py)
+    FLOPs    = L * (E * I * (6 T (h d' + h + d') + 4 T P) + N_eval * H * T^2 * 2 (3 h + d'))
+               fit: F(q) F(K)^T beside q K^T, forward and backward, and the pairs; fidelity: psi, pi, psi V - pi V
+    runtime  = margin * (FLOPs / throughput + L * S * step_ms / 1000) / 60 + startup_min
+               step_ms (``cluster.step_ms``): a step's fixed cost, which at batch 1 outweighs its FLOPs
+
+score_text, perplexity, score_projected: a model of P parameters at b bytes (the task's dtype),
+vocabulary V, scoring C perplexity tokens (``max_tokens`` a corpus) and lm-eval tasks. A task of
+D documents (``limit`` at most), R requests a document (its choices; 1 for a generation),
+c0 + shots * c1 context tokens a request and G tokens generated (TASK_WORK; RULER: each
+``max_seq_lengths`` L, 500 samples, its tokens_to_generate), at batch B:
+
+    FLOPs    = 2 P (C + sum D R (c0 + shots c1) + sum D G)        a forward per token
+    steps    = sum D G / B                                         decoding steps, memory-bound
+    runtime  = margin * (FLOPs / throughput + steps * (P b / memory_gbs + step_ms)) / 60 + startup_min
+    mem_mb   = (P b + 2 b B c V) / 2^20 + overhead_mb              weights, and lm-eval's logits and
+                                                                   log-softmax of a batch of its longest c
+
 A hub model's shape is read from its config.json in the local Hugging Face cache, which the
 ``prefetch`` rule fills on the login node; before that (a dry run on a fresh clone) the capture
 asks its configured ``dimpo.resources``.
@@ -45,7 +73,11 @@ import json
 import math
 import os
 
+from .settings import downstream_tasks
+
 MIB = 2**20
+NODE_KEYS = {"mem_mb": "node_mem_mb", "runtime": "node_runtime_min"}
+FIT_LAYER_COPIES = 3  # a fit job's host memory, in layers of its capture (see fit_projection below)
 
 # What makes huggingface_hub, datasets and transformers read their caches only.
 # evaluate (lm-eval's MBPP loads its code_eval) has its own switch: without it, it asks
@@ -87,7 +119,7 @@ def attempt_scaled(first: int, attempt: int, cap: int) -> int:
 
 def check_node(key: str, resource: str, first: int, cluster: dict) -> None:
     """Refuse a first attempt beyond the node (``cluster.node_mem_mb`` / ``node_runtime_min``)."""
-    node_key = {"mem_mb": "node_mem_mb", "runtime": "node_runtime_min"}[resource]
+    node_key = NODE_KEYS[resource]
     if first > cluster[node_key]:
         raise ResourceError(
             key,
@@ -138,15 +170,16 @@ def hub_shape(repo: str, cache_dir=None) -> dict | None:
     attention = d * (heads + 2 * kv_heads) * head_dim + heads * head_dim * d
     embeddings = c["vocab_size"] * d * (1 if c.get("tie_word_embeddings") else 2)
     params = layers * (attention + 3 * d * c["intermediate_size"]) + embeddings
-    return dict(layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, params=params)
+    return dict(layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, params=params,
+                vocab=c["vocab_size"], context=c.get("max_position_embeddings") or 4096)  # fmt: skip
 
 
-def run_shape(model: dict, vocab_size: int) -> dict:
-    """The capture shape of one of our runs (GPT-NeoX layout, H_kv = H)."""
+def run_shape(model: dict, vocab_size: int, seq_len: int) -> dict:
+    """The shape of one of our runs (GPT-NeoX layout, H_kv = H), its context its training length."""
     d, layers, heads = model["hidden_size"], model["num_hidden_layers"], model["num_attention_heads"]
     far = model.get("attention") in ("dar", "uniform")
     return dict(layers=layers, heads=heads, kv_heads=heads, head_dim=d // heads, far=far,
-                params=gpt_neox_parameters(d, layers, vocab_size))  # fmt: skip
+                params=gpt_neox_parameters(d, layers, vocab_size), vocab=vocab_size, context=seq_len)  # fmt: skip
 
 
 def capture(shape: dict | None, n_sequences: int, seq_len: int, capture_dtype: str, resources: dict,
@@ -167,6 +200,110 @@ def capture(shape: dict | None, n_sequences: int, seq_len: int, capture_dtype: s
     }
 
 
+def fit(shape: dict | None, n_fit: int, n_eval: int, seq_len: int, d_prime: int, hparams: dict,
+        resources: dict, device: str, cluster: dict) -> dict:  # fmt: skip
+    """First-attempt {mem_mb, runtime} of a fit_projection job (module docstring), an upper bound
+    over the objectives (every hparams.per_objective entry); configured floors kept, and the
+    configured values alone when the shape is unknown."""
+    floor = {"mem_mb": resources["mem_mb"], "runtime": resources["runtime"]}
+    if shape is None:
+        return floor
+    layers, heads, kv, h = (shape[k] for k in ("layers", "heads", "kv_heads", "head_dim"))
+    kv_parts = 4 * kv if shape.get("far") else 2 * kv
+    layer = max(n_fit, n_eval) * seq_len * (heads + kv_parts) * h * 4
+    seconds = 0.0
+    for hp in [hparams, *(hparams | o for o in (hparams.get("per_objective") or {}).values())]:
+        stride = hp.get("query_stride") or heads
+        instances = hp.get("n_instances") or n_fit * heads * math.ceil(seq_len / stride)
+        epochs, batch = hp.get("epochs") or 1, hp.get("batch_size") or 1
+        steps = hp.get("steps") or epochs * math.ceil(instances / batch)
+        preferred = min(hp.get("max_preferred") or seq_len, seq_len)
+        per_instance = 6 * seq_len * (h * d_prime + h + d_prime) + 4 * seq_len * preferred
+        flops = layers * (epochs * instances * per_instance + n_eval * heads * seq_len**2 * 2 * (3 * h + d_prime))
+        compute = flops / (cluster["throughput_tflops"][device] * 1e12)
+        seconds = max(seconds, compute + layers * steps * cluster["step_ms"][device] / 1000)
+    return {
+        "mem_mb": max(floor["mem_mb"], math.ceil(FIT_LAYER_COPIES * layer / MIB + cluster["overhead_mb"][device])),
+        "runtime": max(floor["runtime"], math.ceil(cluster["margin"] * seconds / 60 + cluster["startup_min"])),
+    }
+
+
+# lm-eval's work per task: (documents of the split it scores, requests a document, context
+# tokens of a request at 0 shots, more per shot, tokens generated). Documents: the datasets'
+# cards (HellaSwag validation 10,042; ARC-Challenge test 1,172; MMLU test 14,042; TruthfulQA
+# validation 817; WinoGrande validation 1,267; CommonsenseQA validation 1,221; GSM8K test 1,319;
+# MBPP test 500; LongBench Multi-News 200). Generated: the task YAML's max_gen_toks, else HFLM's
+# 256. Context tokens: estimates for a Llama-3-class tokenizer (question and choice lengths;
+# TruthfulQA's fixed six-question prompt; Multi-News' 2,113 words, LongBench's Table 1). A task
+# not listed (ours, or one added to the config) counts as UNKNOWN_TASK, with the model's whole
+# context: an upper bound for our own tasks' few hundred documents.
+TASK_WORK = {
+    "hellaswag": (10042, 4, 100, 100, 0),
+    "arc_challenge": (1172, 4, 60, 60, 0),
+    "mmlu": (14042, 4, 150, 150, 0),
+    "truthfulqa_mc2": (817, 8, 350, 0, 0),
+    "winogrande": (1267, 2, 35, 35, 0),
+    "commonsense_qa": (1221, 5, 45, 45, 0),
+    "gsm8k": (1319, 1, 90, 150, 256),
+    "mbpp": (500, 1, 200, 200, 256),
+    "longbench_multi_news": (200, 1, 2800, 0, 512),
+    # ours (dimattn.evaluation.build_lm_eval_data): documents from evaluation.lm_eval (score)
+    "dimattn_heldout": ("heldout_docs", 1, None, 0, 0),  # rolling log-likelihood of a whole document
+    "dimattn_next_line": ("next_line_docs", 4, 100, 0, 0),  # 4 choices after a few lines of verse
+}
+UNKNOWN_TASK = (1000, 4, None, 0, 0)  # None: the model's context length
+RULER_SAMPLES = 500  # lm-eval's RULER generators' num_samples, each length
+# lm-eval's RULER tasks: tokens_to_generate (lm_eval/tasks/ruler/*.yaml max_gen_toks)
+RULER_GENERATED = {"niah": 128, "ruler_vt": 30, "ruler_cwe": 120, "ruler_fwe": 50, "ruler_qa": 32}
+# What a scoring job asks at least (a model's loading, a site's minimum); score_projected's floor
+# is dimpo.resources.
+SCORE_FLOORS = {"score_text": {"mem_mb": 8000, "runtime": 60}, "perplexity": {"mem_mb": 4000, "runtime": 30}}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+
+
+def _task_work(task: dict, context: int, ruler_lengths: list[int], own_docs: dict | None = None
+               ) -> list[tuple[int, int, int, int]]:  # fmt: skip
+    """[(documents, requests, context tokens, generated tokens), ...] of one task entry; our own
+    tasks' documents from ``own_docs`` (evaluation.lm_eval's heldout_docs, next_line_docs)."""
+    name = task["name"]
+    prefix = next((p for p in RULER_GENERATED if name.startswith(p)), None)
+    if prefix is not None:
+        return [(RULER_SAMPLES, 1, length, RULER_GENERATED[prefix]) for length in ruler_lengths]
+    docs, requests, c0, c1, generated = TASK_WORK.get(name, UNKNOWN_TASK)
+    if isinstance(docs, str):
+        docs = (own_docs or {}).get(docs, UNKNOWN_TASK[0])
+    tokens = context if c0 is None else min(context, c0 + (task.get("num_fewshot") or 0) * c1)
+    return [(docs, requests, tokens, generated)]
+
+
+def score(shape: dict | None, corpus_tokens: int, tasks: list[dict], batch_size: int, limit: int | None,
+          ruler_lengths: list[int], floor: dict, device: str, cluster: dict, own_docs: dict | None = None
+          ) -> dict:  # fmt: skip
+    """First-attempt {mem_mb, runtime} of a scoring job (module docstring); ``floor`` kept, and
+    alone when the shape is unknown. ``tasks``: lm-eval task entries (name, num_fewshot,
+    batch_size, dtype)."""
+    floor = {"mem_mb": floor["mem_mb"], "runtime": floor["runtime"]}
+    if shape is None:
+        return floor
+    params, vocab, context = shape["params"], shape["vocab"], shape["context"]
+    flops, seconds, logits = 2 * params * corpus_tokens, 0.0, 0
+    for task in tasks:
+        b = DTYPE_BYTES[task.get("dtype") or "float32"]
+        batch = task.get("batch_size") or batch_size
+        for docs, requests, tokens, generated in _task_work(task, context, ruler_lengths, own_docs):
+            docs = min(docs, limit) if limit else docs
+            flops += 2 * params * docs * (requests * tokens + generated)
+            decode_s = params * b / (cluster["memory_gbs"][device] * 1e9) + cluster["step_ms"][device] / 1000
+            seconds += math.ceil(docs * generated / batch) * decode_s
+            logits = max(logits, 2 * b * batch * tokens * vocab)
+    seconds += flops / (cluster["throughput_tflops"][device] * 1e12)
+    weights = params * max([DTYPE_BYTES[t.get("dtype") or "float32"] for t in tasks] or [4])
+    return {
+        "mem_mb": max(floor["mem_mb"], math.ceil((weights + logits) / MIB + cluster["overhead_mb"][device])),
+        "runtime": max(floor["runtime"], math.ceil(cluster["margin"] * seconds / 60 + cluster["startup_min"])),
+    }
+
+
 def _vocab(config: dict) -> int:
     """Our tokenizer's size; a hub tokenizer's is not known at planning: the schema's largest
     vocabulary, 65,536, an upper bound (Pythia's is 50,277)."""
@@ -175,11 +312,12 @@ def _vocab(config: dict) -> int:
 
 
 def first_attempts(plan) -> dict:
-    """{"pretrain": {run: {mem_mb, runtime}}, "capture": {model: {mem_mb, runtime}}} of a
-    dimattn.sweeps plan, every one checked against the node (ResourceError naming the key)."""
+    """{"pretrain": {run: {mem_mb, runtime}}, "capture": {model: {mem_mb, runtime}}, "fit":
+    {model: function of d' -> {mem_mb, runtime}}} of a dimattn.sweeps plan, every one checked
+    against the node (ResourceError naming the key; a fit at its widest, d' = head_dim)."""
     config, cluster = plan.config, plan.config["cluster"]
     device, vocab = config["device"], _vocab(config)
-    out = {"pretrain": {}, "capture": {}}
+    out = {"pretrain": {}, "capture": {}, "fit": {}}
     for name, run in plan.runs.items():
         asks = pretrain(run.model, run.training, run.resources, vocab, device, cluster)
         for resource, value in asks.items():
@@ -187,13 +325,69 @@ def first_attempts(plan) -> dict:
         out["pretrain"][name] = asks
     capture_dtype = plan.dimpo["hparams"].get("capture_dtype", "float32")
     for model, spec in plan.dimpo_models.items():
-        shape = run_shape(plan.runs[spec["run"]].model, vocab) if "run" in spec else hub_shape(spec["hub"])
+        shape = run_shape(run.model, vocab, run.training["seq_len"]) if (run := plan.runs.get(spec.get("run"))) else \
+            hub_shape(spec["hub"])
         cfg = plan.dimpo_capture(model)
         n = max(cfg["fit_sequences"], cfg["eval_sequences"])
         asks = capture(shape, n, cfg["seq_len"], capture_dtype, plan.dimpo["resources"], device, cluster)
         for resource, value in asks.items():
             check_node(f"dimpo.resources.{resource} (the capture of {model})", resource, value, cluster)
         out["capture"][model] = asks
+
+        def fit_asks(d_prime, shape=shape, cfg=cfg):
+            return fit(shape, cfg["fit_sequences"], cfg["eval_sequences"], cfg["seq_len"], int(d_prime),
+                       plan.dimpo["hparams"], plan.dimpo["resources"], device, cluster)  # fmt: skip
+
+        widest = fit_asks(shape["head_dim"]) if shape else fit_asks(1)
+        for resource, value in widest.items():
+            check_node(f"dimpo.resources.{resource} (the fits of {model})", resource, value, cluster)
+        out["fit"][model] = fit_asks
     for resource in ("mem_mb", "runtime"):  # the other DimPO jobs ask the configured values
         check_node(f"dimpo.resources.{resource}", resource, plan.dimpo["resources"][resource], cluster)
+    out |= scoring(plan, vocab, device, cluster)
+    return out
+
+
+def _checked(key: str, asks: dict, cluster: dict) -> dict:
+    for resource, value in asks.items():
+        check_node(key, resource, value, cluster)
+    return asks
+
+
+def scoring(plan, vocab: int, device: str, cluster: dict) -> dict:
+    """{"score_text" | "perplexity": {run: asks}, "score_projected": {model: function of d' ->
+    asks}}: each scoring job's first attempt (:func:`score`; a projected model of width d' scores
+    the tasks that list it, dimattn.settings.downstream_tasks), checked against the node."""
+    config = plan.config
+    ppl = config["evaluation"]["perplexity"]
+    corpus = (ppl["max_tokens"] or 0) * len(plan.perplexity_datasets)  # null: all, unknown here
+    lm, down = plan.lm_eval, plan.downstream
+    own_docs = {key: lm[key] for key in ("heldout_docs", "next_line_docs")}
+    out = {"score_text": {}, "perplexity": {}, "score_projected": {}}
+    for floor in SCORE_FLOORS.values():  # a rule's own minimum: only the node can be too small
+        for resource, value in floor.items():
+            check_node(f"cluster.{NODE_KEYS[resource]}", resource, value, cluster)
+    for name in plan.text_runs:
+        run = plan.runs[name]
+        shape = run_shape(run.model, vocab, run.training["seq_len"])
+        rule = "score_text" if name in plan.lm_eval_runs else "perplexity"
+        tasks = lm["tasks"] if rule == "score_text" else []
+        asks = score(shape, corpus, tasks, lm["batch_size"], lm.get("limit"), [], SCORE_FLOORS[rule], device, cluster,
+                     own_docs)  # fmt: skip
+        out[rule][name] = _checked(f"evaluation.perplexity.max_tokens or evaluation.lm_eval.tasks ({rule} of {name})",
+                                   asks, cluster)  # fmt: skip
+    ruler = (down.get("metadata") or {}).get("max_seq_lengths") or [4096]
+    for model, spec in plan.dimpo_models.items():
+        run = plan.runs.get(spec.get("run"))
+        shape = run_shape(run.model, vocab, run.training["seq_len"]) if run else hub_shape(spec["hub"])
+        probe = plan.dimpo_probe(model)
+        tokens = (down.get("max_tokens") or 0) * len(plan.perplexity_datasets) if probe == "text" else 0
+
+        def asks(d_prime, shape=shape, tokens=tokens, probe=probe):
+            tasks = [] if probe == "recall" else downstream_tasks(down["tasks"], int(d_prime))
+            return score(shape, tokens, tasks, ppl["batch_size"], down.get("limit"), ruler, plan.dimpo["resources"],
+                         device, cluster, own_docs)  # fmt: skip
+
+        _checked(f"dimpo.downstream (the scoring of {model})", asks(0), cluster)  # the base model: every task
+        out["score_projected"][model] = asks
     return out

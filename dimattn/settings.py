@@ -27,3 +27,9 @@ def resolve_top_k(k: int, k_share: float | None, n_keys: int) -> int:
     if k_share is None:
         return int(k)
     return max(1, math.floor(k_share * n_keys + 0.5))
+
+
+def downstream_tasks(tasks: list[dict], d_prime: int) -> list[dict]:
+    """The dimpo.downstream.tasks a projected model of width ``d_prime`` is scored on: those
+    whose ``d_prime`` lists it (or that give none); the base model (d' 0) takes every task."""
+    return [t for t in tasks if not d_prime or d_prime in t.get("d_prime", [d_prime])]

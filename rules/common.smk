@@ -147,6 +147,21 @@ def capture_resource(key):
     return scaled(lambda wc: FIRST_ATTEMPTS["capture"][wc.model][key], key)
 
 
+def fit_resource(key):
+    """mem_mb or runtime of a fit: dimpo.resources or the estimate from the model's shape, the
+    captures' tokens and d' (dimattn.resources.fit), whichever is larger."""
+    return scaled(lambda wc: FIRST_ATTEMPTS["fit"][wc.model](wc.d_prime)[key], key)
+
+
+def score_resource(rule, key):
+    """mem_mb or runtime of a scoring job (score_text, perplexity: by run;
+    score_projected: by model and d'), from the model's shape, tokens and tasks
+    (dimattn.resources.score)."""
+    if rule == "score_projected":
+        return scaled(lambda wc: FIRST_ATTEMPTS[rule][wc.model](wc.d_prime)[key], key)
+    return scaled(lambda wc: FIRST_ATTEMPTS[rule][wc.run][key], key)
+
+
 def dimpo_resource(key):
     return scaled(PLAN.dimpo["resources"][key], key)
 
@@ -299,18 +314,6 @@ def longctx_files():
         paths.longctx(run, dataset)
         for run in PLAN.longctx_runs
         for dataset in PLAN.longctx_targets(run)
-    ]
-
-
-def longctx_summary():
-    """The suite's summaries and its needle heat map, where a run is trained on it (not yet a
-    table of dimattn.reporting.outputs)."""
-    if not PLAN.longctx_runs:
-        return []
-    return [
-        paths.summary("longctx"),
-        paths.summary("longctx_needle"),
-        paths.figure("longctx_needle"),
     ]
 
 

@@ -72,8 +72,8 @@ rule fit_projection:
         "../envs/torch.yaml"
     threads: PLAN.dimpo["resources"]["threads"]
     resources:
-        runtime=dimpo_resource("runtime"),
-        mem_mb=dimpo_resource("mem_mb"),
+        runtime=fit_resource("runtime"),
+        mem_mb=fit_resource("mem_mb"),
         cpus_per_task=lambda wc, threads: threads,  # dimpo.resources.threads, over any default
         gpu=gpu_count(),
     params:
@@ -127,8 +127,8 @@ rule score_projected:
         "../envs/lm_eval.yaml"
     threads: 1
     resources:
-        runtime=dimpo_resource("runtime"),
-        mem_mb=dimpo_resource("mem_mb"),
+        runtime=score_resource("score_projected", "runtime"),
+        mem_mb=score_resource("score_projected", "mem_mb"),
         gpu=gpu_count(),
     params:
         downstream=PLAN.downstream,

@@ -24,8 +24,8 @@ rule score_text:
         "../envs/lm_eval.yaml"
     threads: 1
     resources:
-        runtime=scaled(60, "runtime"),
-        mem_mb=scaled(8000, "mem_mb"),
+        runtime=score_resource("score_text", "runtime"),
+        mem_mb=score_resource("score_text", "mem_mb"),
         gpu=gpu_count(),
     params:
         perplexity=score_params,
@@ -54,8 +54,8 @@ rule perplexity:
         "../envs/torch.yaml"
     threads: 1
     resources:
-        runtime=scaled(30, "runtime"),
-        mem_mb=scaled(4000, "mem_mb"),
+        runtime=score_resource("perplexity", "runtime"),
+        mem_mb=score_resource("perplexity", "mem_mb"),
         gpu=gpu_count(),
     params:
         perplexity=score_params,

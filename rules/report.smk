@@ -10,6 +10,7 @@ REPORT_ASKS = dict(
     runs=[PLAN.runs[run].fields for run in PLAN.reported_runs],
     lm_eval=bool(PLAN.lm_eval_runs),
     dimpo=PLAN.dimpo_studies,
+    longctx=bool(PLAN.longctx_runs),
 )
 SUMMARIES = outputs.wanted_summaries(**REPORT_ASKS)
 REPORTED = outputs.wanted(**REPORT_ASKS)
@@ -114,26 +115,6 @@ rule summarize_longctx_needle:
         mem_mb=scaled(1000, "mem_mb"),
     script:
         "../workflow_scripts/summarize.py"
-
-
-# The needle heat map (dimattn.reporting.long_context): depth x context length, a panel per run.
-rule render_needle_map:
-    input:
-        paths.summary("longctx_needle"),
-    output:
-        paths.figure("longctx_needle"),
-    log:
-        paths.log("report", "render_needle_map"),
-    benchmark:
-        paths.bench("render_needle_map", "render_needle_map")
-    conda:
-        "../envs/report.yaml"
-    threads: 1
-    resources:
-        runtime=scaled(5, "runtime"),
-        mem_mb=scaled(2000, "mem_mb"),
-    script:
-        "../workflow_scripts/needle_map.py"
 
 
 # One row per recall run and distance bin, plus its overall accuracy.

@@ -315,6 +315,33 @@ def write_long_context_jsons(root: Path, seeds=(0, 1)) -> list[Path]:
 
 
 
+# ----------------------------------------------------------------------------- the long-context suite
+
+NEEDLE_BINS = [(0.0, 0.5), (0.5, 1.0)]
+# niah_multikey scores (%) per (run, seq_len), a value per needle-depth bin
+NEEDLE_SCORES = {("long-vanilla", 128): [100.0, 80.0], ("long-vanilla", 256): [60.0, 40.0],
+                 ("long-dar-w8-d16", 128): [90.0, 10.0], ("long-dar-w8-d16", 256): [20.0, 0.0]}  # fmt: skip
+
+
+def longctx_record(run: str, seq_len: int) -> dict:
+    """A longctx job's JSON (dimattn.longctx): niah_single 100 in every bin, niah_multikey NEEDLE_SCORES."""
+    model = {"attention": "vanilla", "hidden_size": 64} if run == "long-vanilla" else \
+        {"attention": "dar", "hidden_size": 64, "d_down": 16, "window": 8}  # fmt: skip
+    bins = [{"depth_lo": lo, "depth_hi": hi, "score": s, "n": 6 + i}
+            for i, ((lo, hi), s) in enumerate(zip(NEEDLE_BINS, NEEDLE_SCORES[run, seq_len]))]  # fmt: skip
+    needle = {"niah_single": [b | {"score": 100.0} for b in bins], "niah_multikey": bins}
+    return {"run": run, **model, "seed": 0, "corpus": f"suite{seq_len}", "split": "test", "seq_len": seq_len,
+            "subtasks": {"niah_single": {"score": 0.0, "exact": 0.0, "n": 13}}, "average": 0.0, "needle": needle}
+
+
+def write_longctx_jsons(root: Path) -> list[Path]:
+    """The suite's JSONs of NEEDLE_SCORES' runs, the DAR run first (a figure still puts the base first)."""
+    out = []
+    for run, seq_len in NEEDLE_SCORES:
+        out.append(write_json(root / "longctx" / f"{run}_{seq_len}.json", longctx_record(run, seq_len)))
+    return out[::-1]
+
+
 def write_latency_json(root: Path) -> Path:
     """dimattn.latency rows of one model: fixed times, the cache of DimPO at d' = d / 4."""
     rows = []

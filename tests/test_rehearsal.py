@@ -67,7 +67,9 @@ def plan(*files):
 
 
 def report_targets(p) -> list[str]:
-    return outputs.targets([r.fields for r in p.runs.values()], bool(p.lm_eval_runs), p.dimpo_studies)
+    """What the Snakefile's rule all asks (rules/report.smk's REPORT_ASKS)."""
+    return outputs.targets([p.runs[r].fields for r in p.reported_runs], bool(p.lm_eval_runs), p.dimpo_studies,
+                           longctx=bool(p.longctx_runs))  # fmt: skip
 
 
 def job_counts(*configfiles, cwd=REPO) -> dict[str, int]:

@@ -7,31 +7,15 @@ import pytest
 from matplotlib.collections import QuadMesh
 
 from dimattn.reporting import long_context, summaries
-
-BINS = [(0.0, 0.5), (0.5, 1.0)]
-SCORES = {("long-vanilla", 128): [100.0, 80.0], ("long-vanilla", 256): [60.0, 40.0],
-          ("long-dar-w8-d16", 128): [90.0, 10.0], ("long-dar-w8-d16", 256): [20.0, 0.0]}  # fmt: skip
-
-
-def _record(run, seq_len):
-    model = {"attention": "vanilla", "hidden_size": 64} if run == "long-vanilla" else \
-        {"attention": "dar", "hidden_size": 64, "d_down": 16, "window": 8}  # fmt: skip
-    bins = [{"depth_lo": lo, "depth_hi": hi, "score": s, "n": 6 + i}
-            for i, ((lo, hi), s) in enumerate(zip(BINS, SCORES[run, seq_len]))]  # fmt: skip
-    needle = {"niah_single": [b | {"score": 100.0} for b in bins], "niah_multikey": bins}
-    return {"run": run, **model, "seed": 0, "corpus": f"suite{seq_len}", "split": "test", "seq_len": seq_len,
-            "subtasks": {"niah_single": {"score": 0.0, "exact": 0.0, "n": 13}}, "average": 0.0, "needle": needle}
-
+from reporting_fixtures import NEEDLE_SCORES as SCORES
+from reporting_fixtures import longctx_record as _record
+from reporting_fixtures import write_longctx_jsons
 
 @pytest.fixture
 def drawn(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    paths = []
-    for run, seq_len in SCORES:  # the DAR run first: the figure still puts the base first
-        paths.append(tmp_path / f"{run}_{seq_len}.json")
-        paths[-1].write_text(json.dumps(_record(run, seq_len)))
-    summaries.summarize_longctx_needle(paths[::-1], tmp_path / "longctx_needle.csv")
+    summaries.summarize_longctx_needle(write_longctx_jsons(tmp_path), tmp_path / "longctx_needle.csv")
     df = summaries.read(tmp_path / "longctx_needle.csv", "longctx_needle")
     saved, savefig = [], Figure.savefig
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), savefig(fig, *a, **k)))
@@ -75,3 +59,19 @@ def test_a_record_without_needle_scores_is_refused(tmp_path):
     (tmp_path / "r.json").write_text(json.dumps(record))
     with pytest.raises(ValueError, match="no needle-depth scores"):
         summaries.summarize_longctx_needle([tmp_path / "r.json"], tmp_path / "n.csv")
+
+
+def test_the_figures_target_redraws_the_heat_map_from_the_summary_alone(tmp_path):
+    """`snakemake figures` (outputs.render_existing): the long-context summaries on disk call for
+    the heat map, drawn from them alone; a config with no run on the suite asks for neither."""
+    from dimattn.reporting import outputs
+
+    summary_dir, results = tmp_path / "summary", tmp_path / "results"
+    summaries.summarize_longctx_needle(write_longctx_jsons(tmp_path), summary_dir / "longctx_needle.csv")
+    asked = outputs.runs_in(summary_dir)
+    assert asked.longctx and asked.runs == []
+    written = outputs.render_existing(summary_dir, tmp_path, results)
+    assert written == [results / "figures/longctx_needle.png"] and written[0].stat().st_size > 10_000
+    assert "figures/longctx_needle.png" not in outputs.wanted([], False, ())
+    assert "longctx_needle" not in outputs.wanted_summaries([], False, ())
+    assert outputs.wanted_summaries([], False, (), longctx=True) == ["longctx", "longctx_needle"]

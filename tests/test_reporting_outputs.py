@@ -16,6 +16,7 @@ from reporting_fixtures import (
     write_full_summaries,
     write_latency_json,
     write_long_context_jsons,
+    write_longctx_jsons,
     write_summaries,
 )
 
@@ -162,7 +163,7 @@ def test_registry_paths_captions_and_categories():
         assert set(out.optional) <= set(out.summaries) <= set(outputs.SUMMARIES)
         assert callable(out.render)
     groups = outputs.by_category(outputs.OUTPUTS)
-    assert list(groups) == ["DAR", "Baselines", "Recall", "lm-eval", "DimPO"]
+    assert list(groups) == ["DAR", "Baselines", "Recall", "lm-eval", "DimPO", "Long-context"]
     assert outputs.reads(groups["Recall"], list(outputs.SUMMARIES)) == ["recall"]
     assert outputs.reads(groups["DAR"], ["dar_perplexity", "dar_trajectory"]) == ["dar_perplexity", "dar_trajectory"]
     targets = outputs.targets([VANILLA, DAR], False, ())
@@ -181,15 +182,18 @@ def full(tmp_path_factory):
     jsons = write_downstream_jsons(root) + write_long_context_jsons(root)
     summaries.summarize_downstream(jsons, summary_path(summary, "dimpo_downstream"))
     summaries.summarize_latency([write_latency_json(root)], summary_path(summary, "dimpo_latency"))
+    suite = write_longctx_jsons(root)
+    summaries.summarize_longctx(suite, summary_path(summary, "longctx"))
+    summaries.summarize_longctx_needle(suite, summary_path(summary, "longctx_needle"))
     return root, summary
 
 
 def test_the_summaries_call_for_what_the_config_called_for(full):
     root, summary = full
-    planned = outputs.wanted([fields(s) for s in FULL], lm_eval=True, dimpo=ALL_STUDIES)
+    planned = outputs.wanted([fields(s) for s in FULL], lm_eval=True, dimpo=ALL_STUDIES, longctx=True)
     assert planned == list(outputs.OUTPUTS)  # the full sweep has every table and figure
     asked = outputs.runs_in(summary)
-    assert outputs.wanted(asked.runs, asked.lm_eval, asked.dimpo) == planned
+    assert outputs.wanted(asked.runs, asked.lm_eval, asked.dimpo, asked.longctx) == planned
     assert {r["run"] for r in asked.runs if r["synthetic"]} == {s["run"] for s in FULL if s["synthetic"]}
     written = outputs.render_existing(summary, REFERENCE, root / "results")
     assert [str(p.relative_to(root / "results")) for p in written] == planned

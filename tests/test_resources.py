@@ -43,7 +43,7 @@ def test_retries_grow_memory_and_runtime_up_to_the_node():
 def test_every_rule_asks_memory_and_runtime_through_the_attempt_scaled_helpers():
     """No rule has a literal or an attempt lambda of its own, which would grow memory only and
     ask past the node (2 x 256 GB a node for the 2-node pretraining)."""
-    helpers = r"(scaled\(\d+, \"(mem_mb|runtime)\"\)|(run|capture|dimpo)_resource\(\"(mem_mb|runtime)\"\))"
+    helpers = r"(scaled\(\d+, \"(mem_mb|runtime)\"\)|(run|capture|fit|dimpo)_resource\(\"(mem_mb|runtime)\"\)|score_resource\(\"\w+\", \"(mem_mb|runtime)\"\))"
     asks = [(f.name, line.strip()) for f in RULE_FILES for line in f.read_text().splitlines()
             if re.match(r"\s+(mem_mb|runtime)=", line)]  # fmt: skip
     assert len(asks) > 40
@@ -58,6 +58,32 @@ def test_the_paper_scales_ask_their_floors_or_more_and_never_past_the_node():
         assert asks["mem_mb"] >= run.resources["mem_mb"] and asks["runtime"] >= run.resources["runtime"]
         for attempt in (1, 2, 3):
             assert resources.attempt_scaled(asks["mem_mb"], attempt, CLUSTER["node_mem_mb"]) <= CLUSTER["node_mem_mb"]
+
+
+LLAMA_8B = dict(layers=32, heads=32, kv_heads=8, head_dim=128, params=8_030_261_248)  # its config.json
+FLOORS = {"mem_mb": 0, "runtime": 0}
+
+
+def test_a_fit_asks_one_layer_of_its_capture_and_time_that_follows_its_steps():
+    """Llama-3.1-8B at the paper's capture (10 + 10 chapters of 4,096 tokens), on a GPU: one
+    layer's fp32 q, k, v is 10 * 4096 * (32 + 2 * 8) * 128 * 4 B = 960 MiB, so a fit asks 3 of
+    them and a process's overhead, whatever the layer count (the whole capture is 30 GiB)."""
+    p = plan(REPO / "configs/paper.yaml")
+    cluster, hparams = p.config["cluster"], p.dimpo["hparams"]
+
+    def ask(shape=LLAMA_8B, n=10, d_prime=64, hp=hparams, device="cuda"):
+        return resources.fit(shape, n, n, 4096, d_prime, hp, FLOORS, device, cluster)
+
+    assert ask()["mem_mb"] == 3 * 960 + cluster["overhead_mb"]["cuda"]
+    assert ask(LLAMA_8B | {"layers": 64})["mem_mb"] == ask()["mem_mb"]  # streamed: layers cost time, not memory
+    assert ask(n=20)["mem_mb"] - cluster["overhead_mb"]["cuda"] == 2 * 3 * 960
+    # batch 1 (the authors'): 32 layers x 10 * 4096 steps of step_ms dominate on a GPU
+    steps_min = 32 * 10 * 4096 * cluster["step_ms"]["cuda"] / 1000 / 60
+    assert steps_min * cluster["margin"] < ask()["runtime"] < 1.2 * steps_min * cluster["margin"] + cluster["startup_min"]
+    assert ask(hp=hparams | {"batch_size": 64})["runtime"] < ask()["runtime"] / 4
+    assert ask(device="cpu", d_prime=64)["runtime"] > ask(device="cpu", d_prime=1)["runtime"]  # FLOPs grow with d'
+    assert resources.fit(None, 10, 10, 4096, 64, hparams, p.dimpo["resources"], "cuda", cluster) == {
+        k: p.dimpo["resources"][k] for k in ("mem_mb", "runtime")}  # shape unknown (no prefetch yet): the floor
 
 
 def test_a_first_attempt_beyond_the_node_is_refused_naming_the_key():
@@ -138,6 +164,75 @@ def test_capture_estimate_of_llama_31_8b_from_its_cached_config(tmp_path):
     assert asks["mem_mb"] == -(-(captured + 4 * shape["params"]) // 2**20) + CLUSTER["overhead_mb"]["cuda"]
     assert asks["mem_mb"] > floor["mem_mb"]  # the paper's 64000 was short of the model and its capture
     assert asks["runtime"] == floor["runtime"]  # a few GPU seconds: the floor
+
+
+LLAMA_8B_SHAPE = LLAMA_8B | {"vocab": 128256, "context": 131072}
+
+
+def test_scoring_asks_follow_the_tasks_each_width_scores():
+    """Llama-3.1-8B downstream at the paper's settings (bf16, harness batch 32, RULER batch 1 at
+    4k and 8k): RULER's 13 subtasks x 2 lengths x 500 samples decode one token a step at batch 1,
+    each step reading 16 GB of weights (1.29 million steps: over 8 hours with the margin); the
+    d' = 4 models score the harness tasks alone."""
+    p = plan(REPO / "configs/paper.yaml")
+    cluster, down = p.config["cluster"], p.downstream
+
+    def ask(d_prime, device="cuda", tasks=None):
+        from dimattn.settings import downstream_tasks
+
+        tasks = downstream_tasks(down["tasks"], d_prime) if tasks is None else tasks
+        return resources.score(LLAMA_8B_SHAPE, 0, tasks, 8, None, [4096, 8192], FLOORS, device, cluster)
+
+    base, harness = ask(0), ask(4)
+    ruler = [t for t in down["tasks"] if t.get("d_prime") == [64]]
+    assert len(ruler) == 13 and len(down["tasks"]) == 18
+    weights = 2 * LLAMA_8B["params"]  # bfloat16
+    step_s = weights / (cluster["memory_gbs"]["cuda"] * 1e9) + cluster["step_ms"]["cuda"] / 1000
+    generated = sum(resources._task_work(t, 131072, [4096, 8192])[0][3] * 2 * 500 for t in ruler)
+    assert generated == 1_288_000  # decoding steps: hours on one GPU
+    assert base["runtime"] > cluster["margin"] * generated * step_s / 60 > 8 * 60
+    assert harness["runtime"] < base["runtime"] / 5
+    # memory: the weights, and the logits of a harness batch of 32 at its longest context (TruthfulQA's)
+    logits = 2 * 2 * 32 * 350 * 128256
+    assert base["mem_mb"] == -(-(weights + logits) // 2**20) + cluster["overhead_mb"]["cuda"]
+    # perplexity alone (no task): our scorer's float32 weights, no logits of a batch
+    assert ask(0, tasks=[])["mem_mb"] == -(-4 * LLAMA_8B["params"] // 2**20) + cluster["overhead_mb"]["cuda"]
+    # the paper's dimpo.resources (240 minutes) would have killed every base and d' = 64 job
+    assert base["runtime"] > p.dimpo["resources"]["runtime"]
+
+
+def test_a_scoring_job_beyond_the_node_is_refused_naming_its_key(monkeypatch):
+    monkeypatch.setattr(resources, "hub_shape", lambda repo, cache_dir=None: LLAMA_8B_SHAPE)
+    p = plan(REPO / "configs/paper.yaml")
+    node = p.config["cluster"] | {"node_runtime_min": 900}  # above every floor, below RULER's 963 minutes
+    with pytest.raises(resources.ResourceError, match=r"config key dimpo\.downstream \(the scoring of "
+                                                      r"llama-3\.1-8b-instruct\): .*runtime=963"):  # fmt: skip
+        resources.scoring(p, 50304, "cuda", node)
+
+
+# Measured: the default run's scoring jobs (benchmark TSVs, 2 cores shared by two jobs,
+# 2026-12-01, AMD EPYC): score_text tiny-vanilla 15.4 s, 662 MB; score_projected tiny-vanilla
+# base (every task) 12.7 s, 649 MB.
+MEASURED_SCORING = {"score_text": (15.4, 662), "score_projected": (12.7, 649)}
+
+
+@pytest.mark.parametrize("rule", sorted(MEASURED_SCORING))
+def test_scoring_estimates_cover_the_measured_jobs(rule):
+    p = plan()
+    first = resources.first_attempts(p)
+    asks = first[rule]["tiny-vanilla"]
+    asks = asks(0) if rule == "score_projected" else asks
+    seconds, rss = MEASURED_SCORING[rule]
+    assert rss <= asks["mem_mb"] and seconds / 60 <= asks["runtime"]
+    floorless = {"mem_mb": 1, "runtime": 1}
+    run = p.runs["tiny-vanilla"]
+    shape = resources.run_shape(run.model, resources._vocab(p.config), run.training["seq_len"])
+    tasks = p.lm_eval["tasks"] if rule == "score_text" else p.downstream["tasks"]
+    tokens = p.config["evaluation"]["perplexity"]["max_tokens"]
+    own = {key: p.lm_eval[key] for key in ("heldout_docs", "next_line_docs")}
+    estimate = resources.score(shape, tokens, tasks, 8, None, [], floorless, "cpu", CLUSTER, own)
+    assert rss <= estimate["mem_mb"] <= 3 * rss
+    assert seconds / 60 <= estimate["runtime"] <= CLUSTER["startup_min"] + 5 * seconds / 60  # startup_min dominates
 
 
 # The capture estimate against a measured streamed capture: tests/test_capture.py, which makes

@@ -433,7 +433,7 @@ def test_the_paper_grids_reach_every_layer_as_the_authors_ran_them():
     """configs/paper.yaml: each hub model's l to 100 % of its layers with Table 4's shares as
     lanzv/dimpo rounded them; harness tasks at d' 64, 16, 4, 1, RULER at 64; Table 5 on
     Llama-3.1-8B alone; Table 6's KL and DimPO + KL projected where its ablation is."""
-    from dimattn.dimpo_scoring import downstream_tasks
+    from dimattn.settings import downstream_tasks
 
     config = copy.deepcopy(DEFAULT)
     for key, value in PAPER.items():  # Snakemake's --configfile merge: mappings merge, the rest replaces

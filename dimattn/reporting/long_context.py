@@ -59,3 +59,8 @@ def figure(needle: pd.DataFrame, path: Path, panel: str = "run") -> Path:
                 ax.set_ylabel("needle depth (share of the context)")
         fig.suptitle("Needle in a haystack: score by needle depth and context length")
     return Path(path)
+
+
+def needle_figure(frames: dict, reference_dir: Path, path: Path) -> Path:
+    """The registry's renderer (dimattn.reporting.outputs): the heat map of the runs on the suite."""
+    return figure(frames["longctx_needle"], path)

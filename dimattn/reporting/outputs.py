@@ -30,11 +30,13 @@ from . import selection
 class Asked:
     """What a config (or a set of summaries) holds: its runs, whether lm-eval runs, and the
     DimPO studies it fits (dimattn.sweeps.MAIN_STUDY and the keys of dimpo.ablations; none
-    without DimPO), with "downstream" where projected models are scored (dimpo.downstream)."""
+    without DimPO), with "downstream" where projected models are scored (dimpo.downstream), and
+    whether runs are trained on the long-context suite (dimattn.longctx)."""
 
     runs: list[dict]
     lm_eval: bool
     dimpo: tuple[str, ...]
+    longctx: bool = False  # runs trained on the long-context suite (scored by the suite alone)
 
     @property
     def text(self) -> list[dict]:
@@ -94,6 +96,8 @@ SUMMARIES: dict[str, Callable[[Asked], bool]] = {
     "dimpo_fidelity": lambda asked: bool(asked.dimpo),
     "dimpo_downstream": _study("downstream"),
     "dimpo_latency": _study("latency"),
+    "longctx": lambda asked: asked.longctx,
+    "longctx_needle": lambda asked: asked.longctx,
 }
 
 
@@ -165,29 +169,33 @@ OUTPUTS: dict[str, Output] = {
         _output("DimPO", paths.table("dimpo_kv"), "dimpo_downstream:kv_table", _study("kv"), ["dimpo_downstream"]),
         _output("DimPO", paths.table("dimpo_latency"), "dimpo_downstream:latency_table", _study("latency"),
                 ["dimpo_latency"]),
+        # Seed 003's RULER in our mould (dimattn.longctx): the needle heat map
+        _output("Long-context", paths.figure("longctx_needle"), "long_context:needle_figure",
+                lambda asked: asked.longctx, ["longctx_needle"]),
     )
 }
 
 
-def wanted(runs: Iterable[dict], lm_eval: bool, dimpo: Iterable[str]) -> list[str]:
+def wanted(runs: Iterable[dict], lm_eval: bool, dimpo: Iterable[str], longctx: bool = False) -> list[str]:
     """The outputs (names relative to results/) the runs call for, in OUTPUTS order.
 
-    ``lm_eval``: some run gets lm-eval scores; ``dimpo``: the DimPO studies fitted (Asked.dimpo)."""
-    asked = Asked(list(runs), lm_eval, tuple(dimpo))
+    ``lm_eval``: some run gets lm-eval scores; ``dimpo``: the DimPO studies fitted (Asked.dimpo);
+    ``longctx``: some run is trained on the long-context suite."""
+    asked = Asked(list(runs), lm_eval, tuple(dimpo), longctx)
     return [name for name, out in OUTPUTS.items() if out.wanted(asked)]
 
 
-def wanted_summaries(runs: Iterable[dict], lm_eval: bool, dimpo: Iterable[str]) -> list[str]:
+def wanted_summaries(runs: Iterable[dict], lm_eval: bool, dimpo: Iterable[str], longctx: bool = False) -> list[str]:
     """The summaries (names for ``paths.summary``) the runs produce."""
-    asked = Asked(list(runs), lm_eval, tuple(dimpo))
+    asked = Asked(list(runs), lm_eval, tuple(dimpo), longctx)
     return [name for name, produced in SUMMARIES.items() if produced(asked)]
 
 
-def targets(runs: Iterable[dict], lm_eval: bool, dimpo: Iterable[str]) -> list[str]:
+def targets(runs: Iterable[dict], lm_eval: bool, dimpo: Iterable[str], longctx: bool = False) -> list[str]:
     """The paths of every summary and every output the runs call for (the workflow's report)."""
     runs = list(runs)
-    return [paths.summary(s) for s in wanted_summaries(runs, lm_eval, dimpo)] + [
-        OUTPUTS[name].path for name in wanted(runs, lm_eval, dimpo)
+    return [paths.summary(s) for s in wanted_summaries(runs, lm_eval, dimpo, longctx)] + [
+        OUTPUTS[name].path for name in wanted(runs, lm_eval, dimpo, longctx)
     ]
 
 
@@ -259,7 +267,8 @@ def render(
 def runs_in(summary_dir: os.PathLike | str) -> Asked:
     """The runs the summaries in ``summary_dir`` hold, whether lm-eval ran, and the DimPO studies
     fitted: the trajectory summary has every run with its training dataset; a run is synthetic
-    when the recall summary has it."""
+    when the recall summary has it; the long-context suite's runs are there when its summaries
+    are."""
     from . import summaries
 
     on_disk = {s for s in SUMMARIES if _summary_path(summary_dir, s).exists()}
@@ -295,7 +304,7 @@ def runs_in(summary_dir: os.PathLike | str) -> Asked:
         scores = long_context(summaries.read(_summary_path(summary_dir, "dimpo_downstream"), "dimpo_downstream"))
         studies += ("downstream",) + (("long_context",) if len(scores) else ())
         studies += ("kv",) if (scores["kv"] != "none").any() else ()
-    return Asked(runs, "lm_eval" in on_disk, studies)
+    return Asked(runs, "lm_eval" in on_disk, studies, bool(on_disk & {"longctx", "longctx_needle"}))
 
 
 def render_existing(
@@ -304,4 +313,5 @@ def render_existing(
     """The ``figures`` target: every output the summaries on disk call for (``wanted`` applied to
     :func:`runs_in`), re-rendered from them alone, with no training."""
     asked = runs_in(summary_dir)
-    return render(wanted(asked.runs, asked.lm_eval, asked.dimpo), summary_dir, reference_dir, results_dir)
+    names = wanted(asked.runs, asked.lm_eval, asked.dimpo, asked.longctx)
+    return render(names, summary_dir, reference_dir, results_dir)
