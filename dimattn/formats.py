@@ -5,5 +5,7 @@ Imports nothing.
 """
 
 # One row per (fit, layer) of a fit's CSV; seed is the fit's.
+# top_k, topk_recall: of each query's top_k keys by attention, the share the projection's top_k
+# keep (dimattn.projections.attention_fidelity), k the paper's share of the key list.
 FIDELITY_COLUMNS = ["model", "objective", "setting", "d_prime", "head_dim", "seed", "layer", "kl", "mse",
-                    "kl_inference", "mse_inference"]
+                    "kl_inference", "mse_inference", "top_k", "topk_recall"]

@@ -606,11 +606,15 @@ def fit_projections(capture, objective: str, d_prime: int, hparams=None, seed: i
 # ---- fidelity (Table 1) -----------------------------------------------------------------------
 
 KL_EPS = 1e-9  # the authors' log(pi + 1e-9)
+# The top-k fidelity's k: DimPO's k of seed 003 (64) over the paper's key list (4,096), for every
+# objective alike, so that the head DimPO fits is measured beside the distribution KL fits.
+FIDELITY_TOP_K_SHARE = 1 / 64
 
 
 @torch.no_grad()
 def attention_fidelity(capture, projections, *, causal: bool = False, scale: str = "d_prime",
-                       mse_head_chunk: int = 0, chunk_size: int = 256, device=None) -> list[dict]:  # fmt: skip
+                       mse_head_chunk: int = 0, chunk_size: int = 256, device=None, top_k: int = 0
+                       ) -> list[dict]:  # fmt: skip
     """Per projected layer, the authors' metrics (attn_similarity.py) over every (sequence,
     head, query position): mean KL = sum_j psi_j (log psi_j - log(pi_j + 1e-9)) and the mean
     squared error between psi V and pi V (V repeated over the query heads of a key/value
@@ -623,19 +627,25 @@ def attention_fidelity(capture, projections, *, causal: bool = False, scale: str
     MSE over the last chunk of c query heads only (the authors' latest code). Query positions
     go ``chunk_size`` at a time, so memory is O(H chunk_size T). ``device``: where to compute
     (default: the capture's).
+
+    ``top_k`` k > 0 adds ``topk_recall``: of each query's k keys of highest psi, the share among
+    the k of highest pi (k at most the keys a causal query sees), averaged like KL: what DimPO's
+    head term asks the projection to keep, where KL weighs every key.
     """
     rows = []
     for layer, projection in sorted(projections.items()):
         if layer not in capture:
             raise KeyError(f"projection for layer {layer} but the capture has layers {sorted(capture)}")
         # a function a layer: its tensors are freed before the next layer is read (LayerFile)
-        kl, mse = _layer_fidelity(capture[layer], projection, causal, scale, mse_head_chunk, chunk_size, device)
-        rows.append({"layer": layer, "kl": kl, "mse": mse})
+        kl, mse, recall = _layer_fidelity(capture[layer], projection, causal, scale, mse_head_chunk, chunk_size,
+                                          device, top_k)  # fmt: skip
+        rows.append({"layer": layer, "kl": kl, "mse": mse} | ({"topk_recall": recall} if top_k else {}))
     return rows
 
 
-def _layer_fidelity(parts, projection, causal, scale, mse_head_chunk, chunk_size, device) -> tuple[float, float]:
-    """(mean KL, mean MSE) of one layer (attention_fidelity)."""
+def _layer_fidelity(parts, projection, causal, scale, mse_head_chunk, chunk_size, device, top_k=0
+                    ) -> tuple[float, float, float]:  # fmt: skip
+    """(mean KL, mean MSE, mean top-k recall or 0.0) of one layer (attention_fidelity)."""
     q, k, v = (parts[name].to(device) for name in "qkv")
     far = "k_far" in parts
     if far:
@@ -645,7 +655,7 @@ def _layer_fidelity(parts, projection, causal, scale, mse_head_chunk, chunk_size
     proj = as_affine(projection).to(device=q.device, dtype=q.dtype)
     low_scale = logit_scale(scale, d, proj.W.shape[0])
     first = mse_head_chunk * ((heads - 1) // mse_head_chunk) if mse_head_chunk else 0
-    kl_sum = mse_sum = 0.0
+    kl_sum = mse_sum = recall_sum = 0.0
     for i in range(n):
         for start in range(0, seq_len, chunk_size):
             stop = min(start + chunk_size, seq_len)
@@ -669,6 +679,8 @@ def _layer_fidelity(parts, projection, causal, scale, mse_head_chunk, chunk_size
             psi, pi = log_psi.exp(), torch.softmax(low, -1)
             kl = torch.where(psi > 0, psi * (log_psi - torch.log(pi + KL_EPS)), torch.zeros_like(psi))
             kl_sum += kl.sum(dtype=torch.float64).item()
+            if top_k:
+                recall_sum += _topk_recall(full, low, top_k).sum(dtype=torch.float64).item()
             if far:
                 weights = psi - pi
                 diff = (torch.einsum("hgct,htd->hgcd", weights.masked_fill(~near, 0.0), values)
@@ -677,7 +689,18 @@ def _layer_fidelity(parts, projection, causal, scale, mse_head_chunk, chunk_size
                 diff = torch.einsum("hgct,htd->hgcd", psi - pi, values)
             diff = diff.reshape(heads, stop - start, d_v)
             mse_sum += diff[first:].pow(2).sum(dtype=torch.float64).item()
-    return kl_sum / (n * heads * seq_len), mse_sum / (n * (heads - first) * seq_len * d_v)
+    count = n * heads * seq_len
+    return kl_sum / count, mse_sum / (n * (heads - first) * seq_len * d_v), recall_sum / count
+
+
+def _topk_recall(full, low, k: int):
+    """Per query (..., c): |top-k(full) & top-k(low)| / k', k' = min(k, its live keys); masked
+    (-inf) keys never count, though topk may list them where fewer than k are live."""
+    k = min(k, full.shape[-1])
+    top_full, top_low = full.topk(k, -1), low.topk(k, -1).indices
+    live = top_full.values > float("-inf")  # (..., c, k)
+    common = (top_full.indices[..., :, None] == top_low[..., None, :]).any(-1) & live
+    return common.sum(-1) / live.sum(-1).clamp(min=1)
 
 
 # ---- file-level steps, one per workflow rule (workflow_scripts/*.py call these) -------------
@@ -716,7 +739,9 @@ def fidelity_to_file(capture_path, projections_path, out_csv, model_name: str, o
 
     kl, mse: at the projection's train_scale (Table 1); kl_inference, mse_inference: at its
     inference_scale, what the model sees once the projection replaces attention (equal to kl,
-    mse when the two scales agree). causal and mse_head_chunk come from the fit's settings;
+    mse when the two scales agree); topk_recall: the share of each query's top_k keys the
+    projection keeps, top_k the paper's 64 of 4,096 (FIDELITY_TOP_K_SHARE) of the capture's keys,
+    the same for every objective. causal and mse_head_chunk come from the fit's settings;
     ``setting`` names them (dimattn.sweeps.setting_name).
     """
     capture, meta = load_capture(capture_path)
@@ -724,16 +749,19 @@ def fidelity_to_file(capture_path, projections_path, out_csv, model_name: str, o
     check_head_dim(projections, meta["head_dim"], projections_path)
     settings = resolve_settings(None, pmeta.get("settings"))
 
-    def score(scale):
-        return attention_fidelity(capture, projections, causal=settings.causal, scale=scale,
-                                  mse_head_chunk=settings.mse_head_chunk, device=device)  # fmt: skip
+    top_k = resolve_top_k(0, FIDELITY_TOP_K_SHARE, meta["seq_len"])
 
-    train = score(settings.train_scale)
+    def score(scale, top_k=0):
+        return attention_fidelity(capture, projections, causal=settings.causal, scale=scale,
+                                  mse_head_chunk=settings.mse_head_chunk, device=device, top_k=top_k)  # fmt: skip
+
+    train = score(settings.train_scale, top_k)  # a logit scale does not reorder keys: top-k once
     inference = train if settings.inference_scale == settings.train_scale else score(settings.inference_scale)
     fit = {"model": model_name, "objective": objective, "setting": setting, "d_prime": d_prime,
            "head_dim": meta["head_dim"], "seed": int(pmeta.get("seed", 0))}  # fmt: skip
     rows = [
-        fit | {"layer": t["layer"], "kl": t["kl"], "mse": t["mse"], "kl_inference": i["kl"], "mse_inference": i["mse"]}
+        fit | {"layer": t["layer"], "kl": t["kl"], "mse": t["mse"], "kl_inference": i["kl"], "mse_inference": i["mse"],
+               "top_k": top_k, "topk_recall": t["topk_recall"]}
         for t, i in zip(train, inference, strict=True)
     ]
     with atomic_file(Path(out_csv)) as tmp, open(tmp, "w", newline="") as f:

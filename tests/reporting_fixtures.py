@@ -178,7 +178,7 @@ def write_fidelity_csvs(root: Path, setting: str = "default", seeds=(0,), object
                         folder: str = "dimpo") -> list[Path]:  # fmt: skip
     """A fidelity CSV per (objective, d', seed) in the format of dimattn.projections.fidelity_to_file;
     seed s multiplies seed 0's KL and MSE by ``fit_factor``. ``setting`` applies to DimPO's fits;
-    the inference-scale columns are 1.5 x KL and MSE."""
+    the inference-scale columns are 1.5 x KL and MSE, the top-4 recall 1 - KL / (1 + KL)."""
     rng = np.random.default_rng(0)
     paths_ = []
     for objective, (kl0, mse0) in FIDELITY_SCALE.items():
@@ -203,7 +203,8 @@ def write_fidelity_csvs(root: Path, setting: str = "default", seeds=(0,), object
             for seed in seeds:
                 factor = fit_factor(objective, seed)
                 fit = frame.assign(kl=frame["kl"] * factor, mse=frame["mse"] * factor, seed=seed)
-                fit = fit.assign(kl_inference=1.5 * fit["kl"], mse_inference=1.5 * fit["mse"])
+                fit = fit.assign(kl_inference=1.5 * fit["kl"], mse_inference=1.5 * fit["mse"], top_k=4,
+                                 topk_recall=(1 - fit["kl"] / (1 + fit["kl"])).clip(0, 1))
                 path = root / folder / f"{objective}_{fit['setting'].iloc[0]}_d{d_prime}_s{seed}.csv"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fit[summaries.FIDELITY_COLUMNS].to_csv(path, index=False)

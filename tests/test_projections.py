@@ -100,6 +100,44 @@ def test_fidelity_matches_naive_loop(chunk_size, causal, scale, mse_head_chunk):
     assert row["mse"] == pytest.approx(mse, rel=1e-4)
 
 
+def naive_topk_recall(layer, proj, k, causal=False):
+    """Of each (sequence, head, query)'s k keys of highest psi, the share among the k of highest
+    pi, k at most the keys the query sees: one loop iteration each, sets compared as Python sets."""
+    q, keys_all = layer["q"].double(), layer["k"].double()
+    W, b = proj.W.double(), proj.b.double()
+    n, heads, seq_len, d = q.shape
+    groups = heads // keys_all.shape[1]
+    total = 0.0
+    for i in range(n):
+        for h in range(heads):
+            keys = keys_all[i, h // groups]
+            for t in range(seq_len):
+                width = t + 1 if causal else seq_len
+                full = keys[:width] @ q[i, h, t]
+                low = (keys[:width] @ W.T + b) @ (W @ q[i, h, t] + b)
+                kk = min(k, width)
+                top_full = set(torch.argsort(full, descending=True)[:kk].tolist())
+                top_low = set(torch.argsort(low, descending=True)[:kk].tolist())
+                total += len(top_full & top_low) / kk
+    return total / (n * heads * seq_len)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("k", [1, 3, 11])
+def test_topk_recall_matches_naive_loop(causal, k):
+    """Causal queries before position k see fewer than k keys: only those count; k = all keys
+    (11) recalls everything non-causally."""
+    layer = low_rank_capture(seq_len=11)[0]
+    proj = some_affine()
+    (row,) = attention_fidelity({0: layer}, {0: proj}, causal=causal, chunk_size=4, top_k=k)
+    assert row["topk_recall"] == pytest.approx(naive_topk_recall(layer, proj, k, causal), rel=1e-6)
+    if k == 11 and not causal:
+        assert row["topk_recall"] == pytest.approx(1.0)
+    (identity,) = attention_fidelity({0: layer}, {0: torch.eye(16, dtype=torch.float32)}, causal=causal, top_k=k)
+    assert identity["topk_recall"] == pytest.approx(1.0)
+    assert "topk_recall" not in attention_fidelity({0: layer}, {0: proj})[0]  # asked for only
+
+
 def test_identity_projection_is_lossless(capture):
     (row,) = attention_fidelity(capture, {0: torch.eye(16, dtype=torch.float32)})
     assert abs(row["kl"]) < 1e-5 and row["mse"] < 1e-10
@@ -561,8 +599,9 @@ def test_file_steps_end_to_end(tmp_path):
         setting="k=4,lam=0.5",
     )  # fmt: skip
     text = (tmp_path / "f.csv").read_text().splitlines()
-    assert text[0] == "model,objective,setting,d_prime,head_dim,seed,layer,kl,mse,kl_inference,mse_inference"
+    assert text[0] == "model,objective,setting,d_prime,head_dim,seed,layer,kl,mse,kl_inference,mse_inference,top_k,topk_recall"
     assert len(text) == 3 and all(line.startswith('tiny,kl,"k=4,lam=0.5",4,8,3,') for line in text[1:])
+    assert [r["top_k"] for r in rows] == [1, 1]  # 1/64 of the capture's keys, at least 1
     assert [r["layer"] for r in rows] == [0, 1] and rows[0]["head_dim"] == 8
     capture, _ = load_capture(tmp_path / "capture.safetensors")
     # Table 1's columns at the train scale (1/sqrt(d')), the inference columns at the authors'

@@ -54,6 +54,33 @@ def test_dimpo_figure_is_a_png(rendered):
     assert is_png(root / "figures" / "dimpo_fidelity.png")
 
 
+def test_dimpo_figure_has_kl_mse_and_the_top_k_share_beside_the_paper(rendered, tmp_path, monkeypatch):
+    """Our row: KL, MSE and the top-k share, a line per objective through its layer means (d'/d
+    on x); the paper's row: KL and MSE, its third panel hidden (it reports no top-k share)."""
+    from matplotlib.figure import Figure
+
+    from dimattn.reporting import dimpo
+
+    _, summary = rendered
+    saved, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), savefig(fig, *a, **k)))
+    fid = summaries.read(summary_path(summary, "dimpo_fidelity"), "dimpo_fidelity")
+    dimpo.figure({"dimpo_fidelity": fid}, REFERENCE, tmp_path / "f.png")
+    axes = saved[0].axes
+    assert [ax.get_title().split("\n")[0] for ax in axes[:3]] == [
+        "KL divergence of attention weights", "MSE of attention outputs",
+        "Top-k keys kept (k = 4, 1/64 of the keys; higher is better)"]  # fmt: skip
+    assert axes[3].get_title().startswith("KL divergence") and "paper" in axes[3].get_title()
+    assert not axes[5].get_visible()
+    table1 = fid[(fid["study"] == "table1") & (fid["setting"] == "default")]
+    for objective, label in (("kl", "KL"), ("dimpo", "DimPO"), ("pca", "PCA")):
+        want = table1[table1["objective"] == objective].groupby("d_prime")["topk_recall"].mean()
+        (line,) = [ln for ln in axes[2].get_lines() if ln.get_label() == label]
+        x, y = line.get_data()
+        assert list(x) == pytest.approx([d / 32 for d in sorted(want.index)])
+        assert list(y) == pytest.approx(list(want.sort_index()))
+
+
 def test_dimpo_table_optional_setting_column(tmp_path):
     summary = tmp_path / "summary"
     path = summary_path(summary, "dimpo_fidelity")

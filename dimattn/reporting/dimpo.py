@@ -68,7 +68,7 @@ def _label(objective: str, setting=None, tex: bool = True) -> str:
     return Tex(f"{latex.escape(base)} ({latex.escape(setting)})") if tex else f"{base} ({setting})"
 
 
-METRICS = ("kl", "mse", "kl_inference", "mse_inference")
+METRICS = ("kl", "mse", "kl_inference", "mse_inference", "topk_recall")
 
 
 def _study(fid: pd.DataFrame, study: str) -> pd.DataFrame:
@@ -192,12 +192,15 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
     objectives = sorted(means["objective"].unique(), key=objective_rank)
     ref = ref[ref["objective"].isin(objectives) & ref["ratio"].isin(ratios)]
     metrics = (("kl", "KL divergence of attention weights"), ("mse", "MSE of attention outputs"))
+    # ours only (the paper gives none): the share of each query's top-k keys the projection keeps,
+    # k = 1/64 of the keys (DimPO's head, seed 003's 64 of 4,096), beside KL's whole distribution
+    topk = "topk_recall" in means and means["topk_recall"].notna().any()
     ours_styles = ["-", "-.", (0, (5, 1, 1, 1))]
     paper_styles = ["--", ":", (0, (3, 1, 1, 1, 1, 1))]
 
-    with plots.figure(path, (13.5, 4.0 * (len(models) + 1) + 0.6)) as fig:
+    with plots.figure(path, ((20.0 if topk else 13.5), 4.0 * (len(models) + 1) + 0.6)) as fig:
         # Not sharex: each row labels its ticks with its own d'; the limits match anyway.
-        axes = fig.subplots(len(models) + 1, 2, squeeze=False)
+        axes = fig.subplots(len(models) + 1, 3 if topk else 2, squeeze=False)
         handles, ours_labels = {}, set()
 
         def draw(ax, rows, value_col, styles, source, dim):
@@ -228,7 +231,8 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
                         label = f"{label}, paper"  # a setting we ran too: the paper's line style needs its own entry
                         line.set_label(label)
                     handles.setdefault(label, line)
-            plots.plain_log_y(ax)
+            if value_col != "topk_recall":
+                plots.plain_log_y(ax)
             plots.log2_fraction_axis(ax, ratios, f"$d'/d$  (in brackets: $d'$ of d={dim})", dim=dim)
 
         for row_axes, (model, head_dim) in zip(axes, models):
@@ -237,6 +241,15 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
                 draw(ax, ours, metric, ours_styles, "ours", int(head_dim))
                 ax.set_title(f"{title}\nours: {model}, d={int(head_dim)}")
                 ax.set_ylabel(f"{metric.upper()}, mean over layers (log)")
+            if topk:
+                ax = row_axes[2]
+                draw(ax, ours, "topk_recall", ours_styles, "ours", int(head_dim))
+                k = ", ".join(str(int(v)) for v in sorted(frames["dimpo_fidelity"]["top_k"].dropna().unique()))
+                ax.set_title(f"Top-k keys kept (k = {k}, 1/64 of the keys; higher is better)\nours: {model}, "
+                             f"d={int(head_dim)}")  # fmt: skip
+                ax.set_ylabel("share of the top-k keys, mean over layers")
+        if topk:
+            axes[-1][2].set_visible(False)  # the paper reports no top-k share
         for ax, (metric, title) in zip(axes[-1], metrics):
             draw(ax, ref, f"{metric}_value", paper_styles, "paper", DIMPO_HEAD_DIM)
             ax.set_title(f"{title}\npaper: {paper_model}, d={DIMPO_HEAD_DIM}")
@@ -253,7 +266,7 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
             fontsize=10,
         )
         fig.suptitle(
-            "Attention fidelity of the query/key projection vs. width $d'/d$ (lower is better), ours beside seed 003 "
+            "Attention fidelity of the query/key projection vs. width $d'/d$ (KL, MSE: lower is better), ours beside seed 003 "
             "Table 1\nthe paper's model has ~8B parameters, ours is tiny: compare ordering and trend across rows, "
             "not levels" + plots.spread_note(seed_counts(means)),
             fontsize=12,
