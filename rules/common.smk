@@ -153,13 +153,13 @@ def fit_resource(key):
     return scaled(lambda wc: FIRST_ATTEMPTS["fit"][wc.model](wc.d_prime)[key], key)
 
 
-def score_resource(rule, key):
+def score_resource(job, key):
     """mem_mb or runtime of a scoring job (score_text, perplexity: by run;
     score_projected: by model and d'), from the model's shape, tokens and tasks
     (dimattn.resources.score)."""
-    if rule == "score_projected":
-        return scaled(lambda wc: FIRST_ATTEMPTS[rule][wc.model](wc.d_prime)[key], key)
-    return scaled(lambda wc: FIRST_ATTEMPTS[rule][wc.run][key], key)
+    if job == "score_projected":
+        return scaled(lambda wc: FIRST_ATTEMPTS[job][wc.model](wc.d_prime)[key], key)
+    return scaled(lambda wc: FIRST_ATTEMPTS[job][wc.run][key], key)
 
 
 def dimpo_resource(key):
