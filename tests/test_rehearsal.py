@@ -111,7 +111,7 @@ def test_the_rehearsal_has_every_rule_of_the_paper_dag():
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     if os.environ.get("DIMATTN_REHEARSAL") != "1":
-        pytest.skip("the rehearsal: set DIMATTN_REHEARSAL=1 (~15 min on 2 cores)")
+        pytest.skip("the rehearsal: set DIMATTN_REHEARSAL=1 (~20 min on 2 cores)")
     from dimattn import hub_server, tiny_hub
 
     root = tiny_hub.build(tmp_path_factory.mktemp("hub"))
@@ -137,7 +137,7 @@ def _fail(what, text, work):
 @pytest.fixture(scope="module")
 def rehearsal(hub, tmp_path_factory, request):
     if os.environ.get("DIMATTN_REHEARSAL") != "1":
-        pytest.skip("the rehearsal: set DIMATTN_REHEARSAL=1 (~15 min on 2 cores)")
+        pytest.skip("the rehearsal: set DIMATTN_REHEARSAL=1 (~20 min on 2 cores)")
     work = workdir(tmp_path_factory.mktemp("rehearsal"))
     user = {k: v for k, v in os.environ.items() if k not in resources.OFFLINE and not k.startswith("DIMATTN_")}
     env = {**user, "HF_ENDPOINT": hub["url"], "HF_HOME": str(work / "hf"), "NLTK_DATA": str(hub["root"] / "nltk_data")}
