@@ -170,6 +170,16 @@ def gpu_count():
     return 1 if DEVICE == "cuda" else 0
 
 
+def every_core(wildcards):
+    """A job's threads for a node of its own: --cores locally. A cluster's submitting Snakemake
+    has no --cores (workflow.cores raises there): the profile's cpus_per_task sizes the job;
+    inside it the jobstep runs Snakemake with --cores all, the job's CPUs."""
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
+
+
 def dimpo_model_dir(wildcards):
     """Our run's directory, or for a hub model the prefetch marker (its files in the HF cache)."""
     spec = PLAN.dimpo_models[wildcards.model]

@@ -169,7 +169,7 @@ rule latency:
     conda:
         "../envs/torch.yaml"
     # a callable: commands given no --cores (--unlock, --report) never ask for it
-    threads: lambda wildcards: workflow.cores
+    threads: every_core
     resources:
         runtime=dimpo_resource("runtime"),
         mem_mb=dimpo_resource("mem_mb"),

@@ -15,13 +15,28 @@ import pytest
 from filelock import FileLock
 
 # Files that take minutes go out first, so that the short ones fill the other worker meanwhile
-# (xdist hands files out in collection order). The smoke run's readers stay together.
-SLOW_FIRST = ("test_slurm_cluster.py", "test_workflow.py", "test_kill9.py", "test_modeling_projected.py")
+# (xdist hands files out in collection order once its reordering is off, below): the SLURM test
+# (mostly waiting on the cluster) and the smoke run on one worker each, then the heavier unit
+# files, the many small ones last, where they even out the two workers' ends. test_kill9 asks for
+# the smoke run only once its own runs are done, so it may start while the smoke run still goes.
+SLOW_FIRST = ("test_slurm_cluster.py", "test_workflow.py", "test_modeling_projected.py", "test_kill9.py",
+              "test_resources.py", "test_training.py", "test_sweeps.py", "test_reporting_replicates.py",
+              "test_attention.py", "test_reporting_pdflatex.py", "test_reporting_outputs.py")  # fmt: skip
+
+
+def pytest_configure(config):
+    # pytest-xdist (3.x) sorts --dist loadfile's files by their number of tests unless told not
+    # to, which sent the two slowest files (5 and 18 tests) out among the last.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept
+    # Within a file, the smoke run's readers first: the run starts as the session does. Stable:
+    # the order within each group is the file's.
+    items.sort(key=lambda item: (rank.get(item.path.name, len(SLOW_FIRST)), item.path.name,
+                                 "smoke_run" not in item.fixturenames))  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,10 @@ def apt_install_or_skip(packages: list[str], missing, what: str, timeout: int = 
     if shutil.which("apt-get") is None:
         pytest.skip(f"{what} is not installed ({', '.join(missing())} missing) and there is no apt-get")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
+    # unsafe-io: dpkg skips an fsync per unpacked file (texlive has thousands); a crash midway
+    # leaves a scratch machine to reinstall, not a system to repair
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "Dpkg::Options::=--force-unsafe-io",
+               *packages]  # fmt: skip
     out = subprocess.run(install, capture_output=True, text=True, env=env, timeout=timeout)
     if out.returncode != 0:  # a stale package list: update once, then try again
         subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env, timeout=600)

@@ -1,6 +1,6 @@
 """dimattn.capture's host memory: the capture of a scaled-down Llama (random weights, GQA) peaks at
-about one copy of the captured tensors, in memory and while it is saved, and its file has the bytes
-safetensors' own save_file writes of the same tensors."""
+about one copy of the captured tensors, in memory and while it is saved, within dimattn.resources'
+estimate of it, and its file has the bytes safetensors' own save_file writes of the same tensors."""
 
 import json
 import subprocess
@@ -8,10 +8,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
+import yaml
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dimattn import resources, sweeps
 from dimattn.affine import _sort_metadata, encode_metadata
 from dimattn.capture import capture_qkv
 from dimattn.projections import save_capture
@@ -66,8 +69,14 @@ def measure(tmp_path, n=16, t=512):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_capture_peaks_at_about_one_copy_of_the_captured_tensors(tmp_path):
-    m = measure(tmp_path)
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """One measured capture (n = 16, t = 512) for both checks below."""
+    return measure(tmp_path_factory.mktemp("capture"))
+
+
+def test_capture_peaks_at_about_one_copy_of_the_captured_tensors(measured):
+    m = measured
     # 8 layers x 16 sequences x 512 positions x (8 + 2 + 2 heads) x 32 dims x 4 bytes = 96 MiB.
     assert m["captured"] == 8 * 16 * 512 * 12 * 32 * 4
     growth = m["peak"] - m["before"]  # the model is in "before"
@@ -77,6 +86,16 @@ def test_capture_peaks_at_about_one_copy_of_the_captured_tensors(tmp_path):
     # One copy of the captured tensors, beside one forward pass's working set (the capture's
     # forwards run while the copy fills), and 5 % slack: holding lists and concatenating (2.55x) fails.
     assert growth <= 1.05 * m["captured"] + m["forward"], m
+
+
+def test_capture_estimate_covers_the_measured_streamed_capture(measured):
+    """dimattn.resources' capture estimate of the same shape and work covers the measured peak."""
+    m = measured
+    default = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())
+    cluster = sweeps.validate(default)["cluster"]
+    shape = dict(layers=8, heads=8, kv_heads=2, head_dim=32, params=m["model"] // 4)
+    asks = resources.capture(shape, 16, 512, "float32", {"mem_mb": 1, "runtime": 1}, "cpu", cluster)
+    assert m["peak"] / 2**20 <= asks["mem_mb"] <= 3 * m["peak"] / 2**20
 
 
 def gqa_llama(t=24):

