@@ -4,7 +4,7 @@
 
 # One job scores a text run: perplexity on every evaluation.perplexity.datasets corpus, and
 # lm-eval on our tasks when the run is one lm-eval scores (importing torch, transformers and
-# lm-eval is most of a small job's time; see README, "Speed").
+# lm-eval is most of a small job's time; see README, "Benchmarks").
 rule score_text:
     input:
         model=paths.model("{run}"),
