@@ -42,6 +42,21 @@ def test_bottleneck_trained_only_through_far_keys():
     assert all(g is not None and g.abs().sum() > 0 for g in bottleneck_grads(tiny(window=4), T=16))
 
 
+def test_dar_at_window_0_is_uniform():
+    """w = 0: every key is far, so DAR is Uniform at the same d_down, weights and all: the window
+    sweeps take their w = 0 point from the Uniform run (``reporting.dar``) rather than train it twice."""
+    dar, uniform = tiny(window=0, d_down=8), tiny(attention="uniform", window=None, d_down=8)
+    want = uniform.state_dict()
+    got = dar.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=0, rtol=0, msg=k)
+    x = torch.randint(0, 97, (2, 20))
+    torch.testing.assert_close(dar(x).logits, uniform(x).logits, atol=1e-6, rtol=1e-5)
+    # the Uniform layer differs from a DAR layer with a window: the check above can fail
+    assert not torch.allclose(tiny(window=3, d_down=8)(x).logits, uniform(x).logits, atol=1e-3)
+
+
 def test_no_bottleneck_control_starts_as_vanilla():
     """d_down = d: W_up W_down = I at initialisation, so the control differs from vanilla only
     in what training makes of the bottleneck; a narrower one starts as a projection."""

@@ -5,6 +5,7 @@ import re
 
 import pytest
 from reporting_fixtures import (
+    FULL,
     REFERENCE,
     VANILLA_PPL,
     cells,
@@ -161,6 +162,17 @@ def test_table3_window_sweep_with_recall(full):
     assert cells(table_line(tex, "Chance"))[1:] == ["", "1.6"]
     assert "stays close to Vanilla for w >= 4" in tex  # the paper's finding, quoted
     assert r"d\textsubscript{down} = 8" in tex and r"d\textsubscript{down} = 32" in tex
+
+
+def test_window_sweep_takes_w0_from_uniform_when_no_dar_run_has_it(tmp_path):
+    """DAR at w = 0 is Uniform at the same d_down: without a DAR w = 0 run, the w = 0 row is
+    Uniform's (106.50 and 50.0 in FULL), not a dash; with one, the run's own (test above)."""
+    runs = [s for s in FULL if not (s["model"]["attention"] == "dar" and s["model"].get("window") == 0)]
+    outputs.render(["tables/dar_window.tex"], write_full_summaries(tmp_path, runs=runs), REFERENCE, tmp_path)
+    tex = (tmp_path / "tables" / "dar_window.tex").read_text()
+    assert cells(table_line(tex, "w = 0"))[1:] == ["106.50", "50.0"]
+    assert cells(table_line(tex, "Uniform, same"))[1:] == ["106.50", "50.0"]
+    assert cells(table_line(tex, "w = 16"))[1:] == ["99.80", "70.0"]
 
 
 def test_table3_recall_only(tmp_path):

@@ -278,7 +278,8 @@ def _window_sweeps(ppl: pd.DataFrame | None, recall: pd.DataFrame | None) -> lis
 
     Text scales give Rel. perplexity, recall scales the overall recall accuracy, each a
     ``replicates.Spread`` per window; each sweep also carries the scale's Vanilla, Uniform at the
-    same d_down (every token through the bottleneck, as DAR with w = 0) and, for recall, chance.
+    same d_down (every token through the bottleneck, as DAR with w = 0, which stands in for the
+    w = 0 point when no DAR run has it) and, for recall, chance.
     """
     ppl = settings(ppl, ["rel_to_vanilla"], ["corpus", "split"]) if ppl is not None else None
     overall = recall[recall["scope"] == "overall"] if recall is not None else None
@@ -298,14 +299,18 @@ def _window_sweeps(ppl: pd.DataFrame | None, recall: pd.DataFrame | None) -> lis
                 return spread(sel.iloc[0], value) if len(sel) else None
 
             uniform = plain[(plain["attention"] == "uniform") & (plain["d_down"] == d_down).fillna(False)]
+            points = {int(r["window"]): spread(r, value) for _, r in sweep.iterrows()}
+            # DAR at w = 0 is Uniform at the same d_down (every token through the bottleneck; the
+            # weights are the same, tests/test_model.py), so its w = 0 point needs no run of its own.
+            if 0 not in points and one(uniform) is not None:
+                points = {0: one(uniform), **points}
             sweeps.append(
                 {
                     "source": source,
                     "scale": scale,
                     "d_down": d_down,
                     "main_window": selection.main_window(records(rows)),
-                    "points": {int(r["window"]): spread(r, value) for _, r in sweep.iterrows()},
-                    "runs": {int(w): r for w, r in zip(sweep["window"], sweep["run"])},
+                    "points": dict(sorted(points.items())),
                     "vanilla": one(plain[plain["attention"] == "vanilla"]),
                     "uniform": one(uniform),
                     "chance": float(rows["chance"].iloc[0]) if source == "recall" else None,
