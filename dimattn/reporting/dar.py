@@ -298,12 +298,12 @@ def _window_sweeps(ppl: pd.DataFrame | None, recall: pd.DataFrame | None) -> lis
                 sel = sel.dropna(subset=[value])
                 return spread(sel.iloc[0], value) if len(sel) else None
 
-            uniform = plain[(plain["attention"] == "uniform") & (plain["d_down"] == d_down).fillna(False)]
+            uniform = one(plain[(plain["attention"] == "uniform") & (plain["d_down"] == d_down).fillna(False)])
             points = {int(r["window"]): spread(r, value) for _, r in sweep.iterrows()}
             # DAR at w = 0 is Uniform at the same d_down (every token through the bottleneck; the
             # weights are the same, tests/test_model.py), so its w = 0 point needs no run of its own.
-            if 0 not in points and one(uniform) is not None:
-                points = {0: one(uniform), **points}
+            if 0 not in points and uniform is not None:
+                points[0] = uniform
             sweeps.append(
                 {
                     "source": source,
@@ -312,7 +312,7 @@ def _window_sweeps(ppl: pd.DataFrame | None, recall: pd.DataFrame | None) -> lis
                     "main_window": selection.main_window(records(rows)),
                     "points": dict(sorted(points.items())),
                     "vanilla": one(plain[plain["attention"] == "vanilla"]),
-                    "uniform": one(uniform),
+                    "uniform": uniform,
                     "chance": float(rows["chance"].iloc[0]) if source == "recall" else None,
                 }
             )
