@@ -54,7 +54,8 @@ from benchmarks.attention import H200_BF16_FLOPS, emit, interleaved  # noqa: E40
 from benchmarks.training import step_flops  # noqa: E402
 from dimattn import DimAttnConfig, DimAttnForCausalLM  # noqa: E402
 from dimattn.attention import dar_attention, dilated_attention, sliding_window_attention  # noqa: E402
-from dimattn.training import TrainConfig, _autocast, configure_optimizer, keep_freed_memory  # noqa: E402
+from dimattn.precision import autocast  # noqa: E402
+from dimattn.training import TrainConfig, configure_optimizer, keep_freed_memory  # noqa: E402
 
 SECTIONS = ("kernels", "train", "fit", "capture")
 TOLERANCE = {"rel_norm": 2e-2, "max_rel": 5e-2}  # of every checked tensor, bf16 against float64
@@ -192,7 +193,7 @@ def train_step(device, small, peak, repeats):
         forward = torch.compile(model) if cfg.compile else model  # as dimattn.training._train
 
         def step(model=model, forward=forward, optimizer=optimizer):
-            with _autocast(device.type, cfg.precision):
+            with autocast(device.type, cfg.precision):
                 loss = forward(x, labels=x, return_logits=False).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

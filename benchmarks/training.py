@@ -113,7 +113,8 @@ def bench_training(args) -> None:
     import torch
 
     from dimattn import DimAttnConfig, DimAttnForCausalLM
-    from dimattn.training import TrainConfig, _autocast, bf16_supported, configure_optimizer, keep_freed_memory
+    from dimattn.precision import autocast, bf16_supported
+    from dimattn.training import TrainConfig, configure_optimizer, keep_freed_memory
 
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as training.py does on CPU
@@ -132,7 +133,7 @@ def bench_training(args) -> None:
             optimizer = configure_optimizer(model, cfg)
 
             def step(model=model, optimizer=optimizer, precision=precision):
-                with _autocast("cpu", precision):
+                with autocast("cpu", precision):
                     loss = model(x, labels=x, return_logits=False).loss  # as training.py asks
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

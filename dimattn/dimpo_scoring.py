@@ -65,7 +65,8 @@ def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_js
 def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_len: int, batch_size: int,
                     max_tokens: int | None, tasks: list[dict], limit: int | None, out_json: Path,
                     metadata: dict | None = None, device: str = "cpu",
-                    recall: dict[str, Path] | None = None, partial_dir: Path | None = None) -> dict:  # fmt: skip
+                    recall: dict[str, Path] | None = None, partial_dir: Path | None = None,
+                    precision: str = "fp32") -> dict:  # fmt: skip
     """A projected model directory (dimattn.modeling_projected) scored as our runs are: held-out
     perplexity per corpus ({corpus: tokens.bin}), the recall probe per synthetic corpus
     ({corpus: test tokens.bin}; the context prefilled and the questions decoded through the
@@ -73,7 +74,9 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
     at CPU scale) and lm-eval's `hf` model on those of ``tasks`` that score its d'
     (downstream_tasks); JSON with ``fields`` (model, objective, d', l, kv, ...)
     beside. ``partial_dir``: each lm-eval task's result as it finishes, as our runs' score_text
-    keeps them (dimattn.evaluation.lm_eval_results), removed once the record is written."""
+    keeps them (dimattn.evaluation.lm_eval_results), removed once the record is written.
+    ``precision``: perplexity's and lm-eval's (evaluation.precision); the recall probe decodes
+    in the model's dtype, as our runs' is scored."""
     from .recall import load_examples, score_recall
 
     for path in (recall or {}).values():
@@ -83,7 +86,8 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
     if tokens or recall:
         model = load_model(model_dir, device)
         for corpus, path in tokens.items():
-            record["perplexity"][corpus] = perplexity(model, load_tokens(path)[0], seq_len, batch_size, max_tokens)
+            record["perplexity"][corpus] = perplexity(model, load_tokens(path)[0], seq_len, batch_size, max_tokens,
+                                                    precision)  # fmt: skip
         for corpus, path in (recall or {}).items():
             record["recall"][corpus] = score_recall(model, path, batch_size, through_cache=True)
     tasks = downstream_tasks(tasks, fields.get("d_prime", 0))  # a task's d_prime: the widths it scores
@@ -92,7 +96,7 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
         model = None
     if tasks:
         record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata,
-                                      partial_dir=partial_dir, model=model))  # fmt: skip
+                                      partial_dir=partial_dir, model=model, precision=precision))  # fmt: skip
     del model
     write_json(record, out_json)
     if partial_dir is not None:

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from .atomic import atomic_file, write_json
 from .data import load_tokens, read_documents
 from .lm_eval_tasks import TASKS_DIR, own_task_names
+from .precision import autocast, resolve_precision
 from .runs import run_metadata
 
 # The workflow's own lm-eval tasks: YAMLs in TASKS_DIR, data written by write_lm_eval_data.
@@ -36,8 +37,10 @@ def load_model(model_dir: Path, device: str = "cpu"):
 
 
 @torch.no_grad()
-def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: int | None = None) -> dict:
-    """Mean next-token NLL over non-overlapping windows of seq_len covering the split."""
+def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: int | None = None,
+               precision: str = "fp32") -> dict:  # fmt: skip
+    """Mean next-token NLL over non-overlapping windows of seq_len covering the split;
+    ``precision`` (dimattn.precision, evaluation.precision) autocasts the forwards."""
     n = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
     n_windows = n // seq_len
     if n_windows == 0:
@@ -50,20 +53,23 @@ def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tok
         count = x[:, 1:].numel()
         # The mean NLL without the (tokens x vocabulary) logits where the model can (ours on
         # CPU, in float32: dimattn.modeling_dimattn.lm_head_loss), else from the logits.
-        loss = model(x, labels=x, return_logits=False).loss.double()
+        with autocast(device, precision):
+            loss = model(x, labels=x, return_logits=False).loss.double()
         total_nll += loss.item() * count
         total_count += count
     loss = total_nll / total_count
-    return {"n_tokens": total_count, "loss": loss, "ppl": math.exp(loss)}
+    return {"n_tokens": total_count, "loss": loss, "ppl": math.exp(loss),
+            "precision": resolve_precision(precision, device)}  # fmt: skip
 
 
 def evaluate_perplexity(model_dir: Path, tokens_bin: Path, corpus: str, seq_len: int, batch_size: int,
-                        max_tokens: int | None, out_json: Path, device: str = "cpu", model=None) -> dict:  # fmt: skip
+                        max_tokens: int | None, out_json: Path, device: str = "cpu", model=None,
+                        precision: str = "fp32") -> dict:  # fmt: skip
     """``model``: model_dir already loaded (load_model), so that one job loads it once."""
     tokens, _ = load_tokens(tokens_bin)
     model = load_model(model_dir, device) if model is None else model
     result = {**run_metadata(model_dir), "corpus": corpus, "split": "test"}
-    result.update(perplexity(model, tokens, seq_len, batch_size, max_tokens))
+    result.update(perplexity(model, tokens, seq_len, batch_size, max_tokens, precision))
     write_json(result, out_json)
     return result
 
@@ -182,7 +188,8 @@ def in_dtype(model, dtype: str) -> bool:
 
 def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, device: str = "cpu",
                     dtype: str = "float32", metadata: dict | None = None, allow_unsafe_code: bool = False,
-                    partial_dir: Path | None = None, min_context: int | None = None, model=None) -> dict:  # fmt: skip
+                    partial_dir: Path | None = None, min_context: int | None = None, model=None,
+                    precision: str = "fp32") -> dict:  # fmt: skip
     """lm-eval's own `hf` model on ``model_dir``: {"results": ..., "num_fewshot": ...}.
 
     tasks = [{"name", "num_fewshot", "batch_size", "chat_template", "dtype"}] (the last three
@@ -198,7 +205,9 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
     only documents whose context has that many tokens (long_enough_samples; the record's
     "context_filter" gives {subtask: [kept, of]}). ``model``: model_dir already loaded
     (load_model): lm-eval's `hf` model wraps it for the tasks in its dtype instead of loading
-    the directory again."""
+    the directory again. ``precision`` "bf16" (or "auto" resolving to it): a float32 task's
+    forwards run under bfloat16 autocast, lm-eval's own mixed_precision_dtype, with its
+    log-softmax in float32 (softmax_dtype); a task already in bfloat16 is left as it is."""
     import lm_eval
     from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
@@ -213,6 +222,7 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
         metadata={"tokenizer": str(model_dir), **(metadata or {})} if metadata else None,
     )  # fmt: skip
     fingerprint = _fingerprint(model_dir)
+    mixed = resolve_precision(precision, device)
     results, configs, failed, filtered = {}, {}, {}, {}
     lm, lm_key = None, None
 
@@ -222,7 +232,8 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
 
     # grouped by model settings, so the model loads once a (dtype, batch size)
     for t in sorted(tasks, key=key):
-        spec = {"task": t, "limit": limit, "metadata": metadata or {}, "model": fingerprint, "min_context": min_context}
+        spec = {"task": t, "limit": limit, "metadata": metadata or {}, "model": fingerprint, "min_context": min_context,
+                "precision": mixed}  # fmt: skip
         partial = Path(partial_dir) / f"{t['name']}.json" if partial_dir is not None else None
         if partial is not None and partial.is_file():
             done = json.loads(partial.read_text())
@@ -238,9 +249,11 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
                 # lm-eval takes a loaded model as `pretrained` (then it reads neither dtype nor
                 # device); the tokenizer is still the directory's
                 loaded = model is not None and in_dtype(model, task_dtype)
+                autocast_args = ({"mixed_precision_dtype": "bfloat16", "softmax_dtype": "float32"}
+                                 if mixed == "bf16" and task_dtype == "float32" else {})  # fmt: skip
                 lm = get_model("hf").create_from_arg_obj(
                     {"pretrained": model if loaded else str(model_dir), "tokenizer": str(model_dir),
-                     "trust_remote_code": True, "dtype": task_dtype},
+                     "trust_remote_code": True, "dtype": task_dtype, **autocast_args},
                     {"batch_size": size, "device": device},
                 )  # fmt: skip
                 lm_key = (task_dtype, size)
@@ -278,7 +291,8 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
     if failed:
         kept = f"; the others are kept in {partial_dir}, and a rerun scores only the failed" if partial_dir else ""
         raise RuntimeError(f"lm-eval tasks failed on {model_dir}: {failed}{kept}")
-    return {"results": _jsonable(results), "num_fewshot": configs} | ({"context_filter": filtered} if min_context else {})
+    return ({"results": _jsonable(results), "num_fewshot": configs, "precision": mixed}
+            | ({"context_filter": filtered} if min_context else {}))  # fmt: skip
 
 
 def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: str = "cpu",
@@ -326,7 +340,8 @@ def _without_env_info():
 
 def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
                 device: str = "cpu", dtype: str = "float32", allow_unsafe_code: bool = False,
-                partial_dir: Path | None = None, exclude_shorter_than_window: bool = False, model=None) -> dict:  # fmt: skip
+                partial_dir: Path | None = None, exclude_shorter_than_window: bool = False, model=None,
+                precision: str = "fp32") -> dict:  # fmt: skip
     """lm_eval_results of one of our runs, with its run fields, as JSON; the per-task partial
     results (``partial_dir``) are removed once the whole record is written.
     ``exclude_shorter_than_window``: seed 000 Table 4's filter at the run's window (a run without
@@ -335,7 +350,7 @@ def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int 
     window = meta.get("window") if exclude_shorter_than_window else None
     record = {**meta, **lm_eval_results(model_dir, tasks, batch_size, limit, device, dtype,
                                         allow_unsafe_code=allow_unsafe_code, partial_dir=partial_dir,
-                                        min_context=window or None, model=model)}  # fmt: skip
+                                        min_context=window or None, model=model, precision=precision)}  # fmt: skip
     write_json(record, out_json)
     if partial_dir is not None:
         shutil.rmtree(partial_dir, ignore_errors=True)

@@ -14,7 +14,7 @@ val_loss).
   uninterrupted one, in float32 and in bfloat16.
 - ``precision``: "bf16" autocasts the matmuls to bfloat16 (weights, gradients and AdamW state
   stay float32; the loss is float32); "auto" (the default) takes bf16 where the device runs it
-  natively (``bf16_supported``: CUDA with bf16, a CPU with AMX-BF16 or AVX512-BF16), else fp32.
+  natively (dimattn.precision: CUDA with bf16, a CPU with AMX-BF16 or AVX512-BF16), else fp32.
 
 Command line (what torchrun launches): ``python -m dimattn.training --spec spec.json ...``.
 """
@@ -42,12 +42,10 @@ from .atomic import atomic_dir, atomic_file
 from .configuration_dimattn import DimAttnConfig
 from .data import load_loss_mask, load_tokens, save_tokenizer
 from .modeling_dimattn import DimAttnForCausalLM
+from .precision import PRECISIONS, autocast, resolve_precision
 from .settings import from_mapping
 
 METRICS_COLUMNS = ["step", "tokens", "lr", "train_loss", "val_loss"]
-PRECISIONS = ("auto", "fp32", "bf16")
-# /proc/cpuinfo flags of x86 CPUs whose bfloat16 matmuls run natively (oneDNN's fast path).
-BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 CHECKPOINT_FORMAT = 2
 # Keys that change how a step is computed, not what it computes: a resumed run may change them
 # (e.g. a retry on another number of GPUs needs another micro-batch).
@@ -200,37 +198,6 @@ def configure_optimizer(model, cfg: TrainConfig):
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
 
 
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (x86 Linux); empty elsewhere."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
-def bf16_supported(device) -> bool:
-    """Whether bfloat16 matmuls run natively on device, so that "auto" precision takes bf16:
-    a CUDA GPU with bf16 (not emulated), or a CPU with AMX-BF16 or AVX512-BF16 (checked at run
-    time; torch.backends.cpu.get_cpu_capability() stops at "AVX512" and cannot tell)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
-    if device.type == "cpu":
-        return bool(set(BF16_CPU_FLAGS) & _cpu_flags())
-    return False
-
-
-def resolve_precision(precision: str, device) -> str:
-    """"fp32" or "bf16": what ``precision`` means on ``device``."""
-    if precision == "auto":
-        return "bf16" if bf16_supported(device) else "fp32"
-    return precision
-
-
 def keep_freed_memory() -> None:
     """Keep freed memory in the process (glibc): by default blocks are returned to the kernel
     and every step of a CPU run faults the same pages in again (~10% of a step's time).
@@ -296,12 +263,6 @@ def _start_processes(device: str) -> tuple[Processes, str]:
     return procs, device
 
 
-def _autocast(device: str, precision: str):
-    """bf16 autocast for "bf16" (or "auto" resolving to it), nothing for "fp32"."""
-    precision = resolve_precision(precision, device)
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
-
 @torch.no_grad()
 def evaluate_loss(
     model,
@@ -318,7 +279,7 @@ def evaluate_loss(
     for x in mine:
         x = x.to(device)
         x, labels = (x[:, 0], x[:, 1]) if x.dim() == 3 else (x, x)  # (tokens, targets) pairs
-        with _autocast(device, precision):
+        with autocast(device, precision):
             total += model(x, labels=labels, return_logits=False).loss.double()
     model.train()
     return procs.mean(total / len(mine)).item()
@@ -560,7 +521,7 @@ def _train(
             last = m == accum - 1
             sync = forward.no_sync() if procs.distributed and not last else contextlib.nullcontext()
             with sync:
-                with _autocast(device, precision):
+                with autocast(device, precision):
                     loss = forward(x, labels=labels_for(x, mask), return_logits=False).loss / accum
                 loss.backward()
             loss_sum += loss.detach()

@@ -114,6 +114,23 @@ def test_task_yamls_load_through_lm_evals_task_manager():
     assert "_dimattn_template_yaml" not in manager.all_tasks
 
 
+def test_perplexity_in_bf16_autocasts_the_forwards_and_stays_near_fp32():
+    """evaluation.precision bf16: the matmuls run in bfloat16 (a Linear's output is bf16), the
+    loss reduces in float32 and stays within bf16 rounding of the float32 one."""
+    model = tiny_model()
+    tokens = np.random.default_rng(0).integers(0, 50, size=100).astype(np.uint16)
+    seen = []
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    fp32 = evaluation.perplexity(model, tokens, seq_len=16, batch_size=4)
+    assert fp32["precision"] == "fp32" and set(seen) == {torch.float32}
+    seen.clear()
+    bf16 = evaluation.perplexity(model, tokens, seq_len=16, batch_size=4, precision="bf16")
+    assert bf16["precision"] == "bf16" and set(seen) == {torch.bfloat16}
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=1e-2) and bf16["loss"] != fp32["loss"]
+    assert next(model.parameters()).dtype == torch.float32  # the weights are left as they were
+
+
 @pytest.fixture
 def scored_run(tmp_path, monkeypatch):
     """One of our tiny runs with a tokenizer, and our two lm-eval tasks' data, in a working
@@ -245,6 +262,43 @@ def test_lm_eval_gets_each_tasks_dtype_batch_and_chat_template(tmp_path, monkeyp
                             ("hellaswag", ("lm", "bfloat16", 32), False, 0),
                             ("niah_single_1", ("lm", "bfloat16", 1), True, 0),
                             ("ruler_vt", ("lm", "bfloat16", 1), True, 0)]
+
+
+def test_lm_eval_in_bf16_autocasts_float32_tasks_through_lm_evals_own_arguments(tmp_path, monkeypatch):
+    """evaluation.precision bf16 reaches lm-eval's hf model as its mixed_precision_dtype (with
+    the log-softmax in float32) for float32 tasks; a task already in bfloat16 gets neither."""
+    import lm_eval
+    import lm_eval.api.registry as registry
+
+    loads = []
+
+    class FakeHF:
+        @staticmethod
+        def create_from_arg_obj(args, extra):
+            loads.append((args["dtype"], args.get("mixed_precision_dtype"), args.get("softmax_dtype")))
+            return "lm"
+
+    monkeypatch.setattr(registry, "get_model", lambda name: FakeHF)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: {"results": {}, "configs": {}})
+    (tmp_path / "config.json").write_text("{}")
+    tasks = [{"name": "hellaswag", "batch_size": 32, "dtype": "bfloat16"}, {"name": "dimattn_heldout"}]
+    out = evaluation.lm_eval_results(tmp_path, tasks, batch_size=8, limit=None, precision="bf16")
+    assert sorted(loads) == [("bfloat16", None, None), ("float32", "bfloat16", "float32")]
+    assert out["precision"] == "bf16"
+    loads.clear()
+    assert evaluation.lm_eval_results(tmp_path, tasks, batch_size=8, limit=None)["precision"] == "fp32"
+    assert sorted(loads) == [("bfloat16", None, None), ("float32", None, None)]
+
+
+def test_lm_eval_in_bf16_scores_near_fp32(scored_run):
+    """The same tiny run through lm-eval in float32 and under bf16 autocast: every metric within
+    bf16 rounding, and not bitwise equal (the autocast acted)."""
+    tasks = [{"name": evaluation.HELDOUT_TASK}]
+    fp32 = evaluation.lm_eval_results(scored_run, tasks, 2, 2)["results"][evaluation.HELDOUT_TASK]
+    bf16 = evaluation.lm_eval_results(scored_run, tasks, 2, 2, precision="bf16")["results"][evaluation.HELDOUT_TASK]
+    metrics = [k for k, v in fp32.items() if isinstance(v, float) and "stderr" not in k]
+    assert metrics and all(bf16[k] == pytest.approx(fp32[k], rel=1e-2) for k in metrics)
+    assert any(bf16[k] != fp32[k] for k in metrics)
 
 
 def test_lm_eval_scores_the_loaded_model_for_tasks_in_its_dtype(scored_run, monkeypatch):

@@ -18,17 +18,15 @@ from corpus_fixtures import token_corpus
 import torch
 from safetensors.torch import load_file
 
-from dimattn import data, training
+from dimattn import data, precision, training
 from dimattn.training import (
     TrainConfig,
     TrainingError,
     batch_starts,
-    bf16_supported,
     fixed_windows,
     launch_command,
     lr_at,
     pretrain,
-    resolve_precision,
     windows,
 )
 
@@ -235,51 +233,22 @@ def test_cpu_trains_dar_in_bf16_and_ignores_compile(corpus, tmp_path, capfd):
     assert json.loads((out / "training.json").read_text())["resolved_precision"] == "bf16"
 
 
-@pytest.mark.parametrize("flags,native", [
-    ({"fpu", "avx512f", "avx512_bf16"}, True),  # Zen 4, Cooper Lake
-    ({"fpu", "avx512f", "amx_bf16", "amx_tile"}, True),  # Sapphire Rapids
-    ({"fpu", "avx2", "avx512f"}, False),
-    (set(), False),  # no /proc/cpuinfo (macOS) or no flags line (ARM)
-])
-def test_auto_precision_takes_bf16_where_the_cpu_has_it(monkeypatch, flags, native):
-    monkeypatch.setattr(training, "_cpu_flags", lambda: flags)
-    assert bf16_supported("cpu") is native
-    assert resolve_precision("auto", "cpu") == ("bf16" if native else "fp32")
-    assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if native else "fp32")
-    assert resolve_precision("fp32", "cpu") == "fp32" and resolve_precision("bf16", "cpu") == "bf16"
-    assert TrainConfig().precision == "auto"
-
-
-def test_auto_precision_on_cuda_and_other_devices(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert not bf16_supported("cuda") and resolve_precision("auto", "cuda") == "fp32"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: not including_emulation)
-    assert bf16_supported("cuda:0") and resolve_precision("auto", "cuda") == "bf16"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
-    assert not bf16_supported("cuda")  # emulated bf16 (pre-Ampere) is no faster: fp32
-    assert not bf16_supported("meta")
-
-
-def test_cpu_flags_parse_proc_cpuinfo():
-    flags = training._cpu_flags()
-    assert isinstance(flags, set)
-    if Path("/proc/cpuinfo").exists() and "flags" in Path("/proc/cpuinfo").read_text():
-        assert "fpu" in flags
-
-
 def test_auto_precision_run_records_what_it_resolved_to(corpus, tmp_path, monkeypatch, capfd):
     """The checkpoint's identity holds the resolved precision: "auto" continues an fp32 run
     where it means fp32, and refuses to continue it where it means bf16."""
-    monkeypatch.setattr(training, "_cpu_flags", lambda: set())
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: set())
     train(corpus, tmp_path, replace(CFG, max_steps=2))  # a finished fp32 run and its checkpoint
     out = train(corpus, tmp_path, replace(CFG, max_steps=2, precision="auto"))
     assert "precision auto -> fp32" in capfd.readouterr().err
     assert json.loads((out / "training.json").read_text())["resolved_precision"] == "fp32"
     assert json.loads((out / "training.json").read_text())["precision"] == "auto"
-    monkeypatch.setattr(training, "_cpu_flags", lambda: {"avx512_bf16"})
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: {"avx512_bf16"})
     with pytest.raises(TrainingError, match=r"training\.precision: 'fp32' -> 'bf16'"):
         train(corpus, tmp_path, replace(CFG, max_steps=2, precision="auto"))
+
+
+def test_training_precision_defaults_to_auto():
+    assert TrainConfig().precision == "auto"
 
 
 def test_optimizer_is_fused_adamw_with_decay_on_matrices_only():

@@ -19,4 +19,4 @@ with logged(snakemake):
                     recall=dict(zip(p.recall_corpora, map(Path, snakemake.input.recall))), seq_len=p.seq_len,
                     batch_size=p.batch_size, max_tokens=ds["max_tokens"], tasks=p.tasks, limit=ds["limit"],
                     metadata=ds["metadata"], out_json=Path(snakemake.output[0]), device=p.device,
-                    partial_dir=Path(p.lm_eval_partial))
+                    partial_dir=Path(p.lm_eval_partial), precision=p.precision)
