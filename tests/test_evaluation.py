@@ -281,7 +281,8 @@ def test_lm_eval_in_bf16_autocasts_float32_tasks_through_lm_evals_own_arguments(
     monkeypatch.setattr(registry, "get_model", lambda name: FakeHF)
     monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: {"results": {}, "configs": {}})
     (tmp_path / "config.json").write_text("{}")
-    tasks = [{"name": "hellaswag", "batch_size": 32, "dtype": "bfloat16"}, {"name": "dimattn_heldout"}]
+    # our own tasks: lm-eval's built-in index (seconds) is not read
+    tasks = [{"name": "dimattn_next_line", "batch_size": 32, "dtype": "bfloat16"}, {"name": "dimattn_heldout"}]
     out = evaluation.lm_eval_results(tmp_path, tasks, batch_size=8, limit=None, precision="bf16")
     assert sorted(loads) == [("bfloat16", None, None), ("float32", "bfloat16", "float32")]
     assert out["precision"] == "bf16"
