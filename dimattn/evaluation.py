@@ -47,19 +47,19 @@ def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tok
         raise ValueError(f"held-out split has {n} tokens, fewer than seq_len={seq_len}")
     windows = torch.from_numpy(tokens[: n_windows * seq_len].astype(np.int64)).view(n_windows, seq_len)
     device = next(model.parameters()).device
+    precision = resolve_precision(precision, device)  # once, not a batch
     total_nll, total_count = 0.0, 0
     for x in tqdm(windows.split(batch_size), desc="perplexity", mininterval=5):
         x = x.to(device)
         count = x[:, 1:].numel()
         # The mean NLL without the (tokens x vocabulary) logits where the model can (ours on
-        # CPU, in float32: dimattn.modeling_dimattn.lm_head_loss), else from the logits.
+        # CPU: dimattn.modeling_dimattn.lm_head_loss, its softmax in float32), else from the logits.
         with autocast(device, precision):
             loss = model(x, labels=x, return_logits=False).loss.double()
         total_nll += loss.item() * count
         total_count += count
     loss = total_nll / total_count
-    return {"n_tokens": total_count, "loss": loss, "ppl": math.exp(loss),
-            "precision": resolve_precision(precision, device)}  # fmt: skip
+    return {"n_tokens": total_count, "loss": loss, "ppl": math.exp(loss), "precision": precision}
 
 
 def evaluate_perplexity(model_dir: Path, tokens_bin: Path, corpus: str, seq_len: int, batch_size: int,

@@ -45,6 +45,8 @@ except resources.ResourceError as e:
 
 # Every job's device (config.device), for the scripts' params and gpu_count.
 DEVICE = PLAN.config["device"]
+# The scoring jobs' precision (evaluation.precision: dimattn.precision).
+SCORE_PRECISION = PLAN.config["evaluation"]["precision"]
 
 
 # The wildcards of DimPO's fits and projected models (rules/dimpo.smk), constrained once here:

@@ -149,7 +149,7 @@ rule score_projected:
         ),
         # each task's result as it finishes, as score_text's: a rerun scores only the tasks missing
         lm_eval_partial=lambda wc, output: paths.partial(output[0]),
-        precision=PLAN.config["evaluation"]["precision"],
+        precision=SCORE_PRECISION,
         device=DEVICE,
     script:
         "../workflow_scripts/score_projected.py"

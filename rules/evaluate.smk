@@ -32,7 +32,7 @@ rule score_text:
         lm_eval=lm_eval_params(),
         # each task's result as it finishes: a rerun scores only the tasks missing
         lm_eval_partial=lambda wc: f"{paths.checkpoints(wc.run)}/lm_eval",
-        precision=PLAN.config["evaluation"]["precision"],
+        precision=SCORE_PRECISION,
         device=DEVICE,
     script:
         "../workflow_scripts/score_text.py"
@@ -61,7 +61,7 @@ rule perplexity:
     params:
         perplexity=score_params,
         lm_eval=None,
-        precision=PLAN.config["evaluation"]["precision"],
+        precision=SCORE_PRECISION,
         device=DEVICE,
     script:
         "../workflow_scripts/score_text.py"
