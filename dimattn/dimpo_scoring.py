@@ -66,30 +66,37 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
                     max_tokens: int | None, tasks: list[dict], limit: int | None, out_json: Path,
                     metadata: dict | None = None, device: str = "cpu",
                     recall: dict[str, Path] | None = None, partial_dir: Path | None = None,
-                    precision: str = "fp32") -> dict:  # fmt: skip
+                    precision: str = "fp32", suite: dict[str, Path] | None = None) -> dict:  # fmt: skip
     """A projected model directory (dimattn.modeling_projected) scored as our runs are: held-out
     perplexity per corpus ({corpus: tokens.bin}), the recall probe per synthetic corpus
     ({corpus: test tokens.bin}; the context prefilled and the questions decoded through the
     model's KV cache, so that KV compression acts: dimattn.recall.score_recall, seed 003's RULER
-    at CPU scale) and lm-eval's `hf` model on those of ``tasks`` that score its d'
-    (downstream_tasks); JSON with ``fields`` (model, objective, d', l, kv, ...)
+    at CPU scale), the long-context suite per corpus ({corpus: test tokens.bin}: each prompt
+    prefilled through the cache, its question inside SnapKV's observation window, the answer
+    generated greedily: dimattn.longctx.score_suite) and lm-eval's `hf` model on those of
+    ``tasks`` that score its d' (downstream_tasks); JSON with ``fields`` (model, objective, d', l, kv, ...)
     beside. ``partial_dir``: each lm-eval task's result as it finishes, as our runs' score_text
     keeps them (dimattn.evaluation.lm_eval_results), removed once the record is written.
     ``precision``: perplexity's and lm-eval's (evaluation.precision); the recall probe decodes
     in the model's dtype, as our runs' is scored."""
+    from .longctx import load_suite, score_suite
     from .recall import load_examples, score_recall
 
     for path in (recall or {}).values():
         load_examples(path)  # a damaged corpus fails before any scoring
-    record = {**fields, "perplexity": {}, "recall": {}, "results": {}, "num_fewshot": {}}
+    for path in (suite or {}).values():
+        load_suite(path)
+    record = {**fields, "perplexity": {}, "recall": {}, "longctx": {}, "results": {}, "num_fewshot": {}}
     model = None
-    if tokens or recall:
+    if tokens or recall or suite:
         model = load_model(model_dir, device)
         for corpus, path in tokens.items():
             record["perplexity"][corpus] = perplexity(model, load_tokens(path)[0], seq_len, batch_size, max_tokens,
                                                     precision)  # fmt: skip
         for corpus, path in (recall or {}).items():
             record["recall"][corpus] = score_recall(model, path, batch_size, through_cache=True)
+        for corpus, path in (suite or {}).items():
+            record["longctx"][corpus] = score_suite(model, path, batch_size)
     tasks = downstream_tasks(tasks, fields.get("d_prime", 0))  # a task's d_prime: the widths it scores
     # lm-eval scores the loaded model where a task is in its dtype; else it is freed first
     if model is not None and not any(in_dtype(model, t.get("dtype", "float32")) for t in tasks):

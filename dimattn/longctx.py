@@ -61,9 +61,9 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from .data import DataError, load_tokens
+from .data import DataError
 from .recall import BOS_ID, EOS_ID, MAX_VOCAB, QUERY_ID, RECALL_SPECIALS, decode_through_cache, split_rng
-from .recall import word_level_tokenizer, write_synthetic_corpus
+from .recall import load_synthetic_examples, word_level_tokenizer, write_synthetic_corpus
 
 SOURCE = "synthetic_longctx"
 SUBTASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa")
@@ -511,6 +511,12 @@ def needle_scores(depths: dict[int, float], scores: dict[int, float], bins: int 
     return rows
 
 
+def load_suite(tokens_bin) -> tuple[np.ndarray, dict]:
+    """(examples: n x example_len tokens, meta) of a suite corpus; a file that is none, or whose
+    length disagrees with its meta, is refused naming it."""
+    return load_synthetic_examples(tokens_bin, SOURCE, "longctx")
+
+
 def score_suite(model, tokens_bin, batch_size: int, max_examples: int | None = None) -> dict:
     """The suite's scores (:func:`score_predictions`) of a loaded model on a split, by greedy
     generation through the KV cache (:func:`generate_answers`); ``needle``: per subtask of
@@ -518,13 +524,9 @@ def score_suite(model, tokens_bin, batch_size: int, max_examples: int | None = N
     map's column at this length)."""
     if type(batch_size) is not int or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    tokens, meta = load_tokens(tokens_bin)
-    if meta.get("source") != SOURCE or "longctx" not in meta:
-        raise DataError(f"{tokens_bin} is not a {SOURCE} corpus (its meta has no 'longctx' layout)")
-    length, n = meta["example_len"], meta["n_examples"]
-    if n * length != len(tokens):
-        raise DataError(f"{tokens_bin}: {len(tokens)} tokens, but meta says {n} examples of {length}")
-    examples = np.asarray(tokens).reshape(n, length)[:max_examples]
+    examples, meta = load_suite(tokens_bin)
+    examples = examples[:max_examples]
+    length = meta["example_len"]
     if model.config.vocab_size < meta["vocab_size"]:
         raise ValueError(f"model vocab_size {model.config.vocab_size} < corpus vocab_size {meta['vocab_size']}")
     layout = meta["longctx"]

@@ -334,15 +334,22 @@ def write_recall_corpus(settings: RecallSettings, out_dir) -> dict:
 # Scoring
 
 
-def load_examples(tokens_bin) -> tuple[np.ndarray, dict]:
-    """The (n_examples, example_len) token matrix and meta of a recall split, checked."""
+def load_synthetic_examples(tokens_bin, source: str, layout: str) -> tuple[np.ndarray, dict]:
+    """The (n_examples, example_len) token matrix and meta of a split written by
+    :func:`write_synthetic_corpus`; a file of another source or layout, or whose length disagrees
+    with its meta, is refused naming it."""
     tokens, meta = load_tokens(tokens_bin)
-    if meta.get("source") != SOURCE or "recall" not in meta:
-        raise DataError(f"{tokens_bin} is not a {SOURCE} corpus (its meta has no 'recall' layout)")
+    if meta.get("source") != source or layout not in meta:
+        raise DataError(f"{tokens_bin} is not a {source} corpus (its meta has no {layout!r} layout)")
     L, n = meta["example_len"], meta["n_examples"]
     if n * L != len(tokens):
         raise DataError(f"{tokens_bin}: {len(tokens)} tokens, but meta says {n} examples of {L}")
     return np.asarray(tokens).reshape(n, L), meta
+
+
+def load_examples(tokens_bin) -> tuple[np.ndarray, dict]:
+    """The (n_examples, example_len) token matrix and meta of a recall split, checked."""
+    return load_synthetic_examples(tokens_bin, SOURCE, "recall")
 
 
 def find_queries(examples: np.ndarray, layout: dict) -> np.ndarray:

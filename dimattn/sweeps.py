@@ -283,10 +283,10 @@ class Plan:
         studies = tuple(dict.fromkeys(f.study for f in self.dimpo_fits))
         if not self.dimpo_projected:
             return studies
-        # long context: the recall probe, or RULER on a hub model (seed 003 Tables 2-3); "kv":
+        # long context: the recall probe or the suite, or RULER on a hub model (seed 003 Tables 2-3); "kv":
         # compression scored there (Table 5)
         ruler = any(t["name"] in RULER_TASKS for t in self.downstream["tasks"])
-        long = [m for m in self.dimpo_models if self.dimpo_probe(m) == "recall" or (ruler and self.dimpo_probe(m) == "hub")]
+        long = [m for m in self.dimpo_models if self.generative_probe(m) or (ruler and self.dimpo_probe(m) == "hub")]
         kv = any(p.kv != NO_KV for m in long for p in self.projected(m))
         return (studies + ("downstream",) + (("long_context",) if long else ()) + (("kv",) if kv else ())
                 + (("latency",) if self.latency_models else ()))
@@ -316,12 +316,22 @@ class Plan:
 
     def dimpo_probe(self, model: str) -> str:
         """How a dimpo model is captured and scored downstream: "recall" (our run on a synthetic
-        recall corpus: captured on it, scored on the recall probe through the KV cache), "text"
-        (our run on text: dimpo.dataset, perplexity and the tasks) or "hub" (the tasks)."""
+        recall corpus: captured on it, scored on the recall probe through the KV cache),
+        "longctx" (our run on the long-context suite: captured on it, scored on the suite at
+        each of its lengths, :meth:`longctx_targets`, through the KV cache), "text" (our run on
+        text: dimpo.dataset, perplexity and the tasks) or "hub" (the tasks)."""
         spec = self.dimpo_models[model]
         if "run" not in spec:
             return "hub"
-        return "recall" if self.runs[spec["run"]].synthetic else "text"
+        run = self.runs[spec["run"]]
+        if not run.synthetic:
+            return "text"
+        return "longctx" if self.is_longctx(run.dataset) else "recall"
+
+    def generative_probe(self, model: str) -> bool:
+        """Scored downstream by generation (the recall probe, the suite): its own corpus captured,
+        no lm-eval task."""
+        return self.dimpo_probe(model) in ("recall", "longctx")
 
     def keeps_own_cache(self, model: str) -> bool:
         """A DAR or uniform run of ours: its latent cache (DimAttnCache) is no plain KV cache, so
@@ -351,6 +361,11 @@ class Plan:
         """The l values of a model: its own, or dimpo.downstream.num_projected."""
         return self.dimpo_models[model].get("num_projected", self.downstream["num_projected"])
 
+    def downstream_d_prime(self, model: str) -> list[int]:
+        """The d' a model is projected at downstream: its own downstream_d_prime (the paper's
+        d'/d = 1/2 at its head dimension), or dimpo.downstream.d_prime."""
+        return self.dimpo_models[model].get("downstream_d_prime", self.downstream["d_prime"])
+
     def projected(self, model: str) -> list[Projected]:
         """The models dimpo.downstream scores for one dimpo model: the base model, then every
         objective x d' x l x fit seed (dimpo.seeds: the spread of Figures 2-3), each without and
@@ -366,7 +381,7 @@ class Plan:
         projected = [Projected(BASE_OBJECTIVE, 0, 0, kv["name"]) for kv in kvs] + [
             Projected(objective, d, l, kv["name"], seed, main)
             for objective in ds["objectives"]
-            for d in ds["d_prime"]
+            for d in self.downstream_d_prime(model)
             for l in self.num_projected(model)
             for kv in kvs
             for seed in self.dimpo["seeds"]
@@ -380,7 +395,7 @@ class Plan:
                 projected += [
                     Projected(objective, d, l, NO_KV, seed, main)
                     for objective in entry.get("objectives", self.grid(model, "objectives"))
-                    for d in entry.get("d_prime", ds["d_prime"])
+                    for d in entry.get("d_prime", self.downstream_d_prime(model))
                     for l in entry["num_projected"]
                     for seed in self.dimpo["seeds"]
                 ]
@@ -415,7 +430,8 @@ class Plan:
         the first downstream objective) at the first downstream d' and the first fit seed."""
         objectives = self.downstream["objectives"]
         objective = "dimpo" if "dimpo" in objectives else objectives[0]
-        return objective, setting_name(self.dimpo["settings"][0]), self.downstream["d_prime"][0], self.dimpo["seeds"][0]
+        return (objective, setting_name(self.dimpo["settings"][0]), self.downstream_d_prime(model)[0],
+                self.dimpo["seeds"][0])
 
     @property
     def dimpo_projected(self) -> list[Projected]:
@@ -732,13 +748,14 @@ def _check_downstream(p: Plan) -> None:
         raise ConfigError("dimpo.downstream.num_projected", f"required when dimpo.downstream.objectives names one "
                                                             f"and a model sets none ({bare[0]!r})")
     for key in ("objectives", "d_prime"):
-        for model in p.dimpo_models:
-            unknown = [v for v in ds[key] if v not in p.grid(model, key)]
+        for i, model in enumerate(p.dimpo_models):
+            asked, culprit = ds[key], f"dimpo.downstream.{key}"
+            if key == "d_prime" and "downstream_d_prime" in p.dimpo_models[model]:
+                asked, culprit = p.downstream_d_prime(model), f"dimpo.models[{i}].downstream_d_prime"
+            unknown = [v for v in asked if v not in p.grid(model, key)]
             if unknown:
-                where = f"dimpo.models[{list(p.dimpo_models).index(model)}].{key}" if key in p.dimpo_models[model] \
-                    else f"dimpo.{key}"
-                raise ConfigError(f"dimpo.downstream.{key}",
-                                  f"{unknown[0]!r} is not fitted for {model!r} ({where}: {p.grid(model, key)})")
+                where = f"dimpo.models[{i}].{key}" if key in p.dimpo_models[model] else f"dimpo.{key}"
+                raise ConfigError(culprit, f"{unknown[0]!r} is not fitted for {model!r} ({where}: {p.grid(model, key)})")
     ruler = [t["name"] for t in ds["tasks"] if t["name"] in RULER_TASKS]
     short = [n for n in ds["metadata"].get("max_seq_lengths", []) if n < RULER_MIN_LENGTH]
     if ruler and (short or not ds["metadata"].get("max_seq_lengths")):
@@ -779,7 +796,8 @@ def _check_downstream(p: Plan) -> None:
     for i, spec in enumerate(ds["kv"]):
         key = f"dimpo.downstream.kv[{i}]"
         depths = {l for model in p.dimpo_models for l in p.num_projected(model)}
-        for name, known in (("objectives", ds["objectives"]), ("num_projected", depths), ("d_prime", ds["d_prime"])):
+        widths = list(dict.fromkeys(d for model in p.dimpo_models for d in p.downstream_d_prime(model)))
+        for name, known in (("objectives", ds["objectives"]), ("num_projected", depths), ("d_prime", widths)):
             stray = [v for v in spec.get(name, []) if v not in known]
             if stray:
                 raise ConfigError(f"{key}.{name}", f"{stray[0]!r} is not among the downstream {name} "

@@ -218,9 +218,9 @@ def latency_files():
 
 
 def capture_documents(wildcards):
-    """What a dimpo model is captured on: dimpo.dataset's text, or a recall run's own corpus."""
+    """What a dimpo model is captured on: dimpo.dataset's text, or a recall or suite run's own corpus."""
     split = PLAN.capture_split(wildcards.purpose)  # dimpo.capture.fit_split, or test
-    if PLAN.dimpo_probe(wildcards.model) == "recall":
+    if PLAN.generative_probe(wildcards.model):
         return paths.tokens(PLAN.dimpo_run_dataset(wildcards.model), split)
     return paths.documents(PLAN.dimpo["dataset"], split)
 
@@ -238,6 +238,18 @@ def projected_recall_tokens(wildcards):
     if PLAN.dimpo_probe(wildcards.model) != "recall":
         return []
     return [paths.tokens(PLAN.dimpo_run_dataset(wildcards.model), "test")]
+
+
+def projected_suite_corpora(wildcards):
+    """The long-context suite's corpora a suite run's projected models are scored on: its own
+    length, then evaluation.longctx.datasets' (Table 4's 1x and 2x)."""
+    if PLAN.dimpo_probe(wildcards.model) != "longctx":
+        return []
+    return PLAN.longctx_targets(PLAN.dimpo_models[wildcards.model]["run"])
+
+
+def projected_suite_tokens(wildcards):
+    return [paths.tokens(d, "test") for d in projected_suite_corpora(wildcards)]
 
 
 def downstream_studies():

@@ -116,6 +116,7 @@ rule score_projected:
         model=paths.projected_model(*PROJECTED),
         tokens=projected_tokens,
         recall=projected_recall_tokens,
+        suite=projected_suite_tokens,
         lm_eval_data=lm_eval_data_files(),
     output:
         paths.downstream(*PROJECTED),
@@ -133,16 +134,19 @@ rule score_projected:
     params:
         downstream=PLAN.downstream,
         tasks=lambda wc: (
-            [] if PLAN.dimpo_probe(wc.model) == "recall" else PLAN.downstream["tasks"]
+            [] if PLAN.generative_probe(wc.model) else PLAN.downstream["tasks"]
         ),
         recall_corpora=lambda wc: (
             [PLAN.dimpo_run_dataset(wc.model)]
             if PLAN.dimpo_probe(wc.model) == "recall"
             else []
         ),
+        suite_corpora=projected_suite_corpora,
         seq_len=PLAN.dimpo["capture"]["seq_len"],
         batch_size=lambda wc: PLAN.config["evaluation"][
-            "recall" if PLAN.dimpo_probe(wc.model) == "recall" else "perplexity"
+            {"recall": "recall", "longctx": "longctx"}.get(
+                PLAN.dimpo_probe(wc.model), "perplexity"
+            )
         ]["batch_size"],
         corpora=lambda wc: (
             PLAN.perplexity_datasets if PLAN.dimpo_probe(wc.model) == "text" else []

@@ -3,6 +3,7 @@ answer recovered from its context by a naive solver written from the subtask's d
 refusals, the corpus files, greedy generation through the cache, and lm-eval's metric on
 hand-made predictions."""
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -245,3 +246,60 @@ def test_an_unanswerable_corpus_is_refused_at_planning_naming_its_key():
     config["datasets"]["suite"] |= {"needle_depth": None, "n_keys": 3}  # 4 distinct multi-key needles
     with pytest.raises(sweeps.ConfigError, match=r"datasets\.suite\.n_keys"):
         check_datasets(sweeps.plan(sweeps.validate(config)))
+
+
+def test_score_projected_scores_the_suite_through_a_projected_directory(tmp_path):
+    """DimPO downstream on the suite (issue 18): score_projected on a projected suite model
+    (l = 1 of 2, SnapKV keeping half of each prompt) gives score_suite's record of that same
+    directory, at each length it is given; the downstream summary's rows are its average and
+    subtasks as fractions; a corpus that is no suite is refused before the model loads."""
+    from transformers import AutoTokenizer
+
+    from dimattn import DimAttnConfig, DimAttnForCausalLM
+    from dimattn.affine import Affine, save_projections
+    from dimattn.configuration_projected import save_projected_model
+    from dimattn.dimpo_scoring import score_projected
+    from dimattn.evaluation import load_model
+    from dimattn.reporting.summaries import summarize_downstream
+
+    suites = {}
+    for seq_len in (48, 96):  # the 1x and 2x lengths
+        s = LongContextSettings(**SMALL, seq_len=seq_len, subtasks=("niah_single", "niah_multikey", "vt", "qa"))
+        write_longctx_corpus(s, tmp_path / f"suite{seq_len}")
+        suites[f"suite{seq_len}"] = tmp_path / f"suite{seq_len}/tokens/test.bin"
+    torch.manual_seed(0)
+    base = DimAttnForCausalLM(DimAttnConfig(vocab_size=s.vocab_size, hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=2, attention="vanilla", max_position_embeddings=128,
+                                            initializer_range=0.3))  # fmt: skip
+    base.config.register_for_auto_class()
+    base.register_for_auto_class("AutoModelForCausalLM")
+    base.save_pretrained(tmp_path / "run")
+    AutoTokenizer.from_pretrained(tmp_path / "suite48/tokenizer").save_pretrained(tmp_path / "run")
+    g = torch.Generator().manual_seed(1)
+    save_projections({i: Affine(torch.randn(8, 16, generator=g), torch.zeros(8)) for i in range(2)},
+                     tmp_path / "p.safetensors", {"objective": "kl", "d_prime": 8})
+    model_dir = save_projected_model(tmp_path / "projected", str(tmp_path / "run"), tmp_path / "p.safetensors",
+                                     num_projected=1, kv={"snapkv": {"budget": 16, "window": 4, "kernel": 3}})
+    fields = {"model": "long-vanilla", "objective": "kl", "setting": "default", "d_prime": 8, "num_projected": 1,
+              "n_layers": 2, "scale": "long", "kv": "snapkv16", "kv_method": "snapkv", "kv_level": 16, "seed": 0}
+    kw = dict(tokens={}, seq_len=48, batch_size=4, max_tokens=None, tasks=[], limit=None)
+    record = score_projected(model_dir, fields, **kw, out_json=tmp_path / "out.json", suite=suites)
+    for corpus, path in suites.items():
+        assert record["longctx"][corpus] == score_suite(load_model(model_dir), path, batch_size=4)
+    assert [record["longctx"][c]["seq_len"] for c in suites] == [48, 96]
+    plain = score_suite(load_model(tmp_path / "run"), suites["suite96"], batch_size=4)
+    assert plain["subtasks"] != record["longctx"]["suite96"]["subtasks"]  # projection and SnapKV act
+
+    df = summarize_downstream([tmp_path / "out.json"], tmp_path / "downstream.csv").set_index(["task", "metric"])
+    suite = record["longctx"]["suite48"]
+    assert df.loc[("longctx:suite48", "score"), "value"] == pytest.approx(suite["average"] / 100)
+    assert df.loc[("longctx:suite48", "score,vt"), "value"] == pytest.approx(suite["subtasks"]["vt"]["score"] / 100)
+    assert len(df.loc["longctx:suite96"]) == 1 + 4
+
+    (tmp_path / "bad.bin").write_bytes(suites["suite48"].read_bytes())
+    meta = json.loads(suites["suite48"].with_suffix(".json").read_text())
+    (tmp_path / "bad.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "longctx"}))
+    with pytest.raises(DataError, match="bad.bin is not a synthetic_longctx corpus"):
+        score_projected(tmp_path / "missing-model", fields, **kw, out_json=tmp_path / "never.json",
+                        suite={"suite48": tmp_path / "bad.bin"})
+    assert not (tmp_path / "never.json").exists()

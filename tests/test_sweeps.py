@@ -236,6 +236,9 @@ BAD = {
         "dimpo.downstream.num_projected: l=6 exceeds the 4 layers"),
     "layers of one of our runs": (lambda c: c["dimpo"]["models"][0].update(num_hidden_layers=4),
                                   "dimpo.models[0].num_hidden_layers"),
+    "a model's downstream d' not fitted for it": (
+        lambda c: (downstream(c, num_projected=[1]), c["dimpo"]["models"].append(RECALL_MODEL | {"downstream_d_prime": [3]})),
+        "dimpo.models[1].downstream_d_prime: 3 is not fitted for 'recall-vanilla'"),
     "downstream task d_prime not made": (lambda c: downstream(c, tasks=[{"name": "dimattn_heldout", "d_prime": [8]}]),
                                          "dimpo.downstream.tasks[0].d_prime: 8 is not among dimpo.downstream.d_prime"),
     "kv of an unknown model": (lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2}, "models": ["gpt"]}]),
@@ -577,6 +580,10 @@ def test_each_model_is_captured_and_scored_by_its_kind():
     assert len(plan.model_fits("tiny-vanilla")) == len(plan.dimpo_fits)
     # text models alone: no long-context report
     assert "long_context" not in plan_of(mutated(lambda c: downstream(c))).dimpo_studies
+    # a model's own downstream d' (seed 003's d'/d = 1/2 at its head dimension) replaces the shared one
+    plan = plan_of(mutated(lambda c: (add_recall(c), c["dimpo"]["models"][1].update(downstream_d_prime=[8, 16]))))
+    assert {p.d_prime for p in plan.projected("recall-vanilla")} == {0, 8, 16}
+    assert {p.d_prime for p in plan.projected("tiny-vanilla")} == {0, 4}
 
 
 def test_a_dar_model_is_projected_without_kv_compression():

@@ -16,7 +16,8 @@ with logged(snakemake):
               **kv_fields(config.kv), "seed": int(wc.seed)}
     ds = p.downstream
     score_projected(model_dir=model_dir, fields=fields, tokens=dict(zip(p.corpora, map(Path, snakemake.input.tokens))),
-                    recall=dict(zip(p.recall_corpora, map(Path, snakemake.input.recall))), seq_len=p.seq_len,
+                    recall=dict(zip(p.recall_corpora, map(Path, snakemake.input.recall))),
+                    suite=dict(zip(p.suite_corpora, map(Path, snakemake.input.suite))), seq_len=p.seq_len,
                     batch_size=p.batch_size, max_tokens=ds["max_tokens"], tasks=p.tasks, limit=ds["limit"],
                     metadata=ds["metadata"], out_json=Path(snakemake.output[0]), device=p.device,
                     partial_dir=Path(p.lm_eval_partial), precision=p.precision)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
+from ..longctx import RULER_TASK
 from ..sweeps import BASE_OBJECTIVE, MAIN_STUDY, NO_KV, RULER_TASKS
 from . import latex, paper, plots
 from .latex import MISSING, SpreadCells, Tex, fmt
@@ -23,6 +25,7 @@ from .replicates import Spread, aggregate, seed_counts, spread
 
 LOWER_IS_BETTER = ("ppl", "perplexity", "bits_per_byte")
 RECALL_TASK = "recall:"  # the recall probe's tasks in the summary: "recall:<corpus>"
+SUITE_TASK = "longctx:"  # the long-context suite's (dimattn.longctx): "longctx:<corpus>"
 
 
 def _lower_is_better(metric: str) -> bool:
@@ -59,9 +62,11 @@ def replicated(df: pd.DataFrame) -> pd.DataFrame:
 
 def _panels(df: pd.DataFrame) -> list[tuple[str, str]]:
     """(task, metric) of the figure's panels and the table's groups: the recall probe by its
-    overall accuracy only (its distance bins are Tables 2-3's columns, :func:`subtask_table`)."""
+    overall accuracy only (its distance bins are Tables 2-3's columns, :func:`subtask_table`),
+    the suite by its average (its subtasks are)."""
     pairs = dict.fromkeys(zip(df["task"], df["metric"]))
-    return [(t, m) for t, m in pairs if not (t.startswith(RECALL_TASK) and m != "acc")]
+    return [(t, m) for t, m in pairs
+            if not (t.startswith(RECALL_TASK) and m != "acc") and not (t.startswith(SUITE_TASK) and m != "score")]
 
 
 def _label(objective: str, d_prime: int, kv: str, many_d: bool) -> str:
@@ -201,9 +206,29 @@ def long_context(df: pd.DataFrame) -> pd.DataFrame:
         value = None if pd.isna(r["value"]) else 100 * r["value"]
         rows.append({k: r[k] for k in SCORE_KEYS} | {"probe": "recall", "column": column, "order": order,
                                                      "value": value})  # fmt: skip
+    suite = df[df["task"].str.startswith(SUITE_TASK)]
+    for (*point, task), part in suite.groupby([*SCORE_KEYS, "task"], sort=False, dropna=False):
+        fields = dict(zip(SCORE_KEYS, point)) | {"probe": "suite " + task[len(SUITE_TASK):]}
+        by_task = {m.partition(",")[2]: 100 * v for m, v in zip(part["metric"], part["value"]) if "," in m}
+        for order, (column, tasks) in enumerate(_suite_groups(by_task).items()):
+            rows.append(fields | {"column": column, "order": order, "value": np.mean([by_task[t] for t in tasks])})
+        average = part.loc[part["metric"] == "score", "value"]
+        rows.append(fields | {"column": AVERAGE, "order": len(RULER_GROUPS),
+                              "value": 100 * average.iloc[0] if len(average) else None})  # fmt: skip
     out = pd.DataFrame(rows, columns=[*SCORE_KEYS, "probe", "column", "order", "value"]).astype({"value": float})
     models = {m: i for i, m in enumerate(dict.fromkeys(df["model"]))}  # the summary's order
     return out.sort_values("model", key=lambda s: s.map(models), kind="stable").reset_index(drop=True)
+
+
+def _suite_groups(subtasks) -> dict[str, list[str]]:
+    """The suite's subtasks under Tables 2-3's column of the RULER task each is modelled on
+    (dimattn.longctx.RULER_TASK), in RULER_GROUPS' order; its one QA subtask stands for SQuAD."""
+    out = {}
+    for column, tasks in RULER_GROUPS.items():
+        mine = [t for t in subtasks if RULER_TASK.get(t) in tasks]
+        if mine:
+            out["QA" if column == "SQuAD" else column] = mine
+    return out
 
 
 def probe_points(scores: pd.DataFrame) -> pd.DataFrame:
@@ -241,7 +266,7 @@ def subtask_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pa
     points = probe_points(long_context(main_study(frames["dimpo_downstream"])))
     points = points[points["kv"] == NO_KV]
     if points.empty:
-        raise ValueError("the downstream summary has no long-context (RULER or recall probe) scores")
+        raise ValueError("the downstream summary has no long-context (RULER, recall probe or suite) scores")
     cell = SpreadCells(seed_counts(points))
     groups, lookups = [], []
     for (model, probe), part in points.groupby(["model", "probe"], sort=False):
@@ -275,7 +300,9 @@ def subtask_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pa
         "Long context with projected layers (seed 003, Tables 2-3): scores in percent per subtask at one deep "
         "$l$ per model, where the objectives lie furthest apart, and the base model ($l = 0$). Ours at CPU scale is "
         "the recall probe, its columns the query-to-key distance bins (the context prefilled, the questions decoded "
-        "through the KV cache); at paper scale RULER's six subtask groups and the mean of its 13 subtasks. "
+        "through the KV cache), and the long-context suite generated here in RULER's mould (its subtasks under RULER's "
+        "groups, QA standing for SQuAD, and their mean); at paper scale RULER's six subtask groups and the mean of its "
+        "13 subtasks. "
         "The paper's DimPO row is $k = 64$, $\\lambda = 1$; its $k = 0$, $\\lambda = 0$ row is the listwise term alone."
     )
     return latex.grouped_table(path, "dimpo_downstream.subtask_table", groups, body, Tex(caption), "dimpo_ruler",
@@ -328,7 +355,7 @@ def kv_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -
                                    for (k, _, w), _ in slots]})  # fmt: skip
     caption = (
         "Projection with KV-cache compression (seed 003, Table 5): the long-context average in percent (ours: the "
-        "recall probe at CPU scale, RULER at paper scale) per compression and number of projected layers $l$. "
+        "recall probe and the suite at CPU scale, RULER at paper scale) per compression and number of projected layers $l$. "
         "Column headings give our setting / the paper's (KIVI: bits; SnapKV: tokens kept). SnapKV and KIVI change "
         "decoding only: the prompt is prefilled at full precision, the questions decoded through the compressed cache."
     )

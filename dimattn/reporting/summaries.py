@@ -471,12 +471,21 @@ def recall_metrics(probe: dict) -> dict[str, float | None]:
     }
 
 
+def suite_metrics(suite: dict) -> dict[str, float]:
+    """{"score": the suite's average, "score,<subtask>": each subtask's} of a long-context suite
+    result (dimattn.longctx.score_suite), as fractions (lm-eval's RULER scale, as the recall
+    probe's accuracies)."""
+    return {"score": suite["average"] / 100} | {f"score,{name}": v["score"] / 100
+                                                for name, v in suite["subtasks"].items()}  # fmt: skip
+
+
 def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str,
                          studies: dict[str, list[str]] | None = None) -> pd.DataFrame:  # fmt: skip
     """Projected models' scores (dimattn.dimpo_scoring.score_projected), long: one row per (study,
     model, objective, setting, d', l, kv, task, metric); held-out perplexity as task
     "perplexity:<corpus>", metric "ppl"; the recall probe as task "recall:<corpus>", metrics of
-    :func:`recall_metrics`. ``studies``: {json path: [study, ...]} (rules/common.smk
+    :func:`recall_metrics`; the long-context suite as task "longctx:<corpus>", metrics of
+    :func:`suite_metrics`. ``studies``: {json path: [study, ...]} (rules/common.smk
     downstream_studies); a path it does not list is Table 1's."""
     rows = []
     for path in jsons:
@@ -491,6 +500,9 @@ def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLik
         for corpus, probe in record.get("recall", {}).items():
             scores += [{"task": f"recall:{corpus}", "metric": metric, "value": value, "stderr": None}
                        for metric, value in recall_metrics(probe).items()]  # fmt: skip
+        for corpus, suite in record.get("longctx", {}).items():
+            scores += [{"task": f"longctx:{corpus}", "metric": metric, "value": value, "stderr": None}
+                       for metric, value in suite_metrics(suite).items()]  # fmt: skip
         scores += _lm_eval_rows(record["results"])
         for study in (studies or {}).get(str(path), [MAIN_STUDY]):
             rows += [{"study": study} | fields | score for score in scores]
