@@ -18,11 +18,15 @@ Sections, in order (each line names its section; ``elapsed_s`` is the section's 
   FlexAttention's 128-block at one shape. Off CUDA FlexAttention runs unfused and forward-only,
   so gradients are skipped there (a ``skipped`` line says so; the test runs the gradient checks
   on CPU with the blocked kernel as ``KERNEL``).
+- ``kernel_speed`` (CUDA): forward+backward of each FlexAttention kernel over causal SDPA (what
+  vanilla attention runs) at Pythia-70M's attention shape (B=16, H=8, T=2048, D=64, w=128), bf16,
+  beside the FLOP ratio of the live query-key pairs: how far each kernel is from its share of work.
 - ``train``: one optimizer step of dimattn.training's loop (bf16 autocast, forward with the loss,
   backward, clipping, configure_optimizer's fused AdamW) on Pythia-70M's shapes (6 layers, d=512,
   8 heads, rotary_pct 0.25, vocab 50,304, seq 2048; vanilla and DAR w=128, d_down=128), through
   torch.compile as training.compile does on CUDA (skipped off CUDA): tokens/s and MFU, FLOPs
-  counted as benchmarks/training.py counts them (step_flops).
+  counted as benchmarks/training.py counts them (step_flops), and the graph breaks dynamo took
+  (a check: a compiled model must trace whole, FlexAttention and its masks included).
 - ``fit``: dimattn.projections.fit_layer (what fit_to_file, the fit_projection rule's code, calls
   per layer) with objective dimpo at d' = 64 on a synthetic capture of Llama-3.1-8B's layer shape
   (32 query heads, 8 KV heads, head_dim 128, 4,096 keys a list, the authors' settings: batch 1):
@@ -32,6 +36,12 @@ Sections, in order (each line names its section; ``elapsed_s`` is the section's 
   in float32 (capture_dtype's default): the allocator's peak GPU memory
   (torch.cuda.max_memory_allocated) and the host's peak RSS over the capture, against the bytes
   of the captured tensors.
+- ``pretrain``: dimattn.training.pretrain, the pretrain rule's loop (bf16 autocast, torch.compile,
+  checkpoints, the save_pretrained export), on the default config's recall corpus (generated
+  here: dimattn.recall), vanilla and DAR at w = 4, d_down = 4 (vanilla alone with --small); then the exported directory is
+  loaded and scored through its KV cache (dimattn.recall.score_recall, as the recall rule
+  does). A check passes when the validation loss fell to half the first step's loss, recall is
+  at least twice chance and the compiled model traced whole. steps/s, wall time, graph breaks.
 - ``summary``: every failed check by name; the exit status is 1 when any failed.
 """
 
@@ -57,7 +67,7 @@ from dimattn.attention import dar_attention, dilated_attention, sliding_window_a
 from dimattn.precision import autocast  # noqa: E402
 from dimattn.training import TrainConfig, configure_optimizer, keep_freed_memory  # noqa: E402
 
-SECTIONS = ("kernels", "train", "fit", "capture")
+SECTIONS = ("kernels", "kernel_speed", "train", "fit", "capture", "pretrain")
 TOLERANCE = {"rel_norm": 2e-2, "max_rel": 5e-2}  # of every checked tensor, bf16 against float64
 KERNEL = "flex"  # the kernel checked; the test swaps in "blocked" to run the gradient checks on CPU
 
@@ -171,7 +181,39 @@ def check_kernels(device, small):
                   "shape": dict(B=B, H=H, T=T, D=D, window=w, **({"dilation": DILATION} if pattern == "dilated" else {}))})
 
 
+def kernel_speed(device, repeats=20):
+    """fwd+bwd of each flex kernel / causal SDPA, with the ratio of live query-key pairs."""
+    if device.type != "cuda":
+        skipped("kernel_speed", "FlexAttention timing", "FlexAttention is fused on CUDA only")
+        return
+    import torch.nn.functional as F
+
+    B, H, T, D, w = 16, 8, 2048, 64, 128
+    g = torch.Generator(device=device).manual_seed(0)
+    ts = [torch.randn(B, H, T, D, generator=g, device=device, dtype=torch.bfloat16).requires_grad_() for _ in range(5)]
+    grad = torch.randn(B, H, T, D, generator=g, device=device, dtype=torch.bfloat16)
+    causal = T * (T + 1) / 2
+    pairs = {"dar": causal,  # near and far keys together: one per earlier position
+             "swa": sum(min(i + 1, w) for i in range(T)),
+             "dilated": sum(min(i + 1, w) + max(0, (i - w) // DILATION + 1) for i in range(T))}
+    cases = {"sdpa_causal": lambda: F.scaled_dot_product_attention(*ts[:3], is_causal=True).backward(grad)}
+    for pattern, (n_inputs, fn) in PATTERNS.items():
+        cases[pattern] = lambda fn=fn, n=n_inputs: fn(ts[:n], w, "flex").backward(grad)
+    t = interleaved(cases, repeats, device)
+    for pattern in PATTERNS:
+        emit({"name": "kernel_speed", "section": "kernel_speed", "pattern": pattern,
+              "over_sdpa_causal": round(t[pattern] / t["sdpa_causal"], 4), "pairs_over_causal": round(pairs[pattern] / causal, 4),
+              "fwd_bwd_ms": round(1e3 * t[pattern], 3), "sdpa_causal_ms": round(1e3 * t["sdpa_causal"], 3),
+              "shape": dict(B=B, H=H, T=T, D=D, window=w), "dtype": "bfloat16", "device": _device_name(device)})
+
+
 # --- Pythia-70M training step ------------------------------------------------------------------
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
 
 
 def train_step(device, small, peak, repeats):
@@ -184,6 +226,7 @@ def train_step(device, small, peak, repeats):
     x = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(0)).to(device)
     cases, flops, params = {}, {}, {}
     d = arch["hidden_size"]
+    breaks = _graph_breaks()
     for variant, extra in {"vanilla": dict(attention="vanilla"),
                            "dar": dict(attention="dar", window=min(128, T // 2), d_down=d // 4)}.items():
         torch.manual_seed(0)
@@ -204,8 +247,12 @@ def train_step(device, small, peak, repeats):
         for _ in range(2 if cfg.compile else 1):  # compilation, then the first step with optimizer state
             step()
         _sync(device)
+        graph_breaks = _graph_breaks() - breaks
+        breaks += graph_breaks
+        if graph_breaks:
+            failures.append(f"train_{variant}_graph_breaks")
         emit({"name": "train_warmup", "section": "train", "variant": variant, "compiled": cfg.compile,
-              "seconds": round(time.perf_counter() - start, 3)})
+              "seconds": round(time.perf_counter() - start, 3), "graph_breaks": graph_breaks})
         cases[variant], flops[variant] = step, step_flops(model, B, T)
         params[variant] = sum(p.numel() for p in model.parameters())
     t = interleaved(cases, repeats, device)
@@ -316,6 +363,58 @@ def capture_layer(device, small):
     emit(record)
 
 
+# --- the pretrain rule's loop, end to end -------------------------------------------------------
+
+# The default config's recall dataset and recall scale (config.yaml: datasets.recall, scales.recall).
+RECALL = dict(seq_len=64, n_pairs=8, n_keys=16, n_values=16, n_filler=16, min_query_pos=16, fused_pairs=True,
+              answer_loss=True, n_validation=256, n_test=512, seed=0)
+# full: the scale's 1,200 steps (DAR at d_down = 4 reaches about 0.83 there on CPU); small: the
+# vanilla run alone, long enough to learn (the CPU test's run)
+PRETRAIN = {"full": dict(n_train=40000, max_steps=1200, variants=("vanilla", "dar")),
+            "small": dict(n_train=2000, max_steps=240, variants=("vanilla",))}
+
+
+def pretrain_run(device, small):
+    import tempfile
+
+    from dimattn.evaluation import load_model
+    from dimattn.recall import RecallSettings, score_recall, write_recall_corpus
+    from dimattn.training import pretrain
+
+    size = PRETRAIN["small" if small else "full"]
+    cuda = device.type == "cuda"
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_recall_corpus(RecallSettings(**RECALL, n_train=size["n_train"]), root / "recall")
+        tokens = root / "recall" / "tokens"
+        cfg = TrainConfig(seq_len=64, batch_size=32, max_steps=size["max_steps"], lr=3e-3, min_lr=3e-4,
+                          warmup_frac=0.05, eval_interval=size["max_steps"] // 6, eval_batches=2,
+                          checkpoint_interval=size["max_steps"] // 3, precision="auto", compile=cuda)
+        arch = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2)
+        variants = {"vanilla": dict(attention="vanilla"), "dar": dict(attention="dar", window=4, d_down=4)}
+        for variant in size["variants"]:
+            extra = variants[variant]
+            breaks = _graph_breaks()
+            start = time.perf_counter()
+            out = pretrain({**arch, **extra}, cfg, tokens / "train.bin", tokens / "validation.bin",
+                           root / "recall" / "tokenizer", root / "models" / variant, root / "ckpt" / variant,
+                           device=str(device))
+            seconds = time.perf_counter() - start
+            graph_breaks = _graph_breaks() - breaks
+            rows = [row.split(",") for row in (out / "metrics.csv").read_text().splitlines()[1:]]
+            first = float(rows[0][3])  # the first step's training loss: untrained
+            val = [float(row[4]) for row in rows if row[4]]
+            recall = score_recall(load_model(out, str(device)), tokens / "test.bin", 64, through_cache=True)
+            passed = val[-1] <= first / 2 and recall["accuracy"] >= 2 * recall["chance"] and not graph_breaks
+            if not passed:
+                failures.append(f"pretrain_{variant}")
+            emit({"name": "pretrain", "section": "pretrain", "variant": variant, "passed": passed,
+                  "steps": cfg.max_steps, "seconds": round(seconds, 2), "steps_per_s": round(cfg.max_steps / seconds, 1),
+                  "compiled": cfg.compile, "graph_breaks": graph_breaks, "train_loss_first": round(first, 4),
+                  "val_loss_last": round(val[-1], 4), "recall_accuracy": recall["accuracy"],
+                  "chance": recall["chance"], "model": {**arch, **extra}, "device": _device_name(device)})
+
+
 # --- main --------------------------------------------------------------------------------------
 
 
@@ -338,14 +437,18 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     if device.type == "cpu":
         keep_freed_memory()  # as dimattn.training does on CPU
+    else:
+        torch._logging.set_logs(graph_breaks=True)  # each break's reason on stderr, beside the count
     total = time.perf_counter()
     emit({"name": "env", "device": _device_name(device), "torch": torch.__version__, "small": args.small,
           "cuda": torch.version.cuda, "threads": torch.get_num_threads(), "sections": only})
     peak = matmul_peak(device, args.small)
     steps = {"kernels": lambda: check_kernels(device, args.small),
+             "kernel_speed": lambda: kernel_speed(device),
              "train": lambda: train_step(device, args.small, peak, args.repeats or (2 if args.small else 10)),
              "fit": lambda: fit_step(device, args.small),
-             "capture": lambda: capture_layer(device, args.small)}
+             "capture": lambda: capture_layer(device, args.small),
+             "pretrain": lambda: pretrain_run(device, args.small)}
     for section in SECTIONS:
         if section not in only:
             continue

@@ -636,16 +636,27 @@ def blocked_attention(q, paths_and_kvs):
 
 
 @functools.cache
-def _flex():
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
 
-    if torch.cuda.is_available():
-        flex_attention = torch.compile(flex_attention, dynamic=False)
-    return flex_attention, functools.lru_cache(maxsize=32)(
-        lambda mask_name, t, window, dilation, device: create_block_mask(
-            _FLEX_MASKS[mask_name](t, window, dilation), None, None, t, 2 * t if mask_name == "dar" else t, device=device
-        )
-    )
+    # Unfused (it materialises the scores) unless compiled; inductor fuses it on CUDA.
+    if not torch.cuda.is_available():
+        return flex_attention
+    # One compiled flex_attention serves every pattern and length of a process, each a recompile
+    # (dynamo guards on the mask's code and T): past dynamo's default limit of 8 it ran unfused
+    # without a word but a warning, the dilated kernel 36x slower than causal SDPA (H200).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _create_block_mask(mask_name, t, window, dilation, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    kv_len = 2 * t if mask_name == "dar" else t  # DAR: near keys, then far keys
+    return create_block_mask(_FLEX_MASKS[mask_name](t, window, dilation), None, None, t, kv_len, device=device)
+
+
+_cached_block_mask = functools.lru_cache(maxsize=32)(_create_block_mask)
 
 
 def _flex_dar(t, window, dilation):
@@ -674,9 +685,16 @@ _FLEX_MASKS = {"dar": _flex_dar, "swa": _flex_swa, "dilated": _flex_dilated}
 
 
 def _flex_attention(mask_name, q, k, v, window, dilation=1):
-    flex_attention, block_mask = _flex()
-    mask = block_mask(mask_name, q.shape[-2], window, dilation, str(q.device))
-    return flex_attention(q, k, v, block_mask=mask)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    t = q.shape[-2]
+    if torch.compiler.is_compiling():
+        # Inside a compiled model (training.compile): the mask is traced into its graph, as
+        # flex_attention is. Dynamo cannot trace an lru_cache, and the cached path below cost a
+        # graph break in every layer (torch 2.11, H200).
+        return flex_attention(q, k, v, block_mask=_create_block_mask(mask_name, t, window, dilation, q.device))
+    mask = _cached_block_mask(mask_name, t, window, dilation, str(q.device))
+    return _compiled_flex()(q, k, v, block_mask=mask)
 
 
 # --- public kernels ------------------------------------------------------------------------------

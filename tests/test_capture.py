@@ -126,3 +126,16 @@ def test_capture_file_is_what_save_file_writes_of_the_concatenated_batches(tmp_p
     save_file(tensors, str(tmp_path / "reference.safetensors"), metadata=encode_metadata({**meta, **derived}))
     _sort_metadata(tmp_path / "reference.safetensors")
     assert Path(tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+
+
+def test_capture_computes_the_logits_of_the_last_position_only():
+    """The (T, vocab) logits are no part of a capture (most of its peak at Llama-3's vocabulary):
+    the LM head sees one position of each batch's sequences."""
+    model = gqa_llama()
+    ids = torch.randint(0, 64, (3, 24), generator=torch.Generator().manual_seed(2))
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    capture = capture_qkv(model, ids, batch_size=2)
+    hook.remove()
+    assert seen == [(2, 1, 32), (1, 1, 32)]
+    assert capture[0]["q"].shape == (3, 4, 24, 8)

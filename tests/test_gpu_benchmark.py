@@ -53,7 +53,13 @@ def test_every_section_prints_its_line(small_run):
     assert capture["host_peak_rss_bytes"] >= capture["host_rss_before_bytes"] > 0
     assert capture["host_peak_increase_bytes"] == capture["host_peak_rss_bytes"] - capture["host_rss_before_bytes"]
     assert "gpu_peak_bytes" not in capture  # CUDA only
-    assert [line["section"] for line in by_name(lines, "section_done")] == ["kernels", "train", "fit", "capture"]
+    (pretrain,) = by_name(lines, "pretrain")  # the pretrain rule's loop, exported, then scored through its cache
+    assert pretrain["variant"] == "vanilla" and pretrain["passed"] and pretrain["graph_breaks"] == 0
+    assert pretrain["val_loss_last"] <= pretrain["train_loss_first"] / 2
+    assert pretrain["recall_accuracy"] >= 2 * pretrain["chance"] == 2 / 16
+    assert all(step["graph_breaks"] == 0 for step in by_name(lines, "train_warmup"))
+    assert [line["section"] for line in by_name(lines, "section_done")] == ["kernels", "kernel_speed", "train", "fit",
+                                                                            "capture", "pretrain"]
     assert by_name(lines, "summary") == [{**by_name(lines, "summary")[0], "passed": True, "failed": []}]
 
 
@@ -69,7 +75,7 @@ def test_flex_kernels_pass_against_the_cpu_reference(small_run):
         assert err["max_abs"] > 0  # bf16 against float64: never exactly equal
     skipped = {(line["section"], line["what"]) for line in by_name(lines, "skipped")}
     assert skipped == {("kernels", "FlexAttention backward (gradients)"), ("train", "torch.compile"),
-                       ("capture", "peak GPU memory")}  # fmt: skip
+                       ("capture", "peak GPU memory"), ("kernel_speed", "FlexAttention timing")}  # fmt: skip
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
