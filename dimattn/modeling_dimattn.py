@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -171,8 +171,42 @@ class DimAttnCache(DynamicCache):
         raise NotImplementedError("DimAttnCache cannot be cropped (assisted decoding is not supported)")
 
 
+class CompactSlidingWindowLayer(DynamicSlidingWindowLayer):
+    """transformers' sliding layer (its length counts every token seen), keeping the last
+    window - 1 tokens as copies: its own kept states are views into the whole update (after a
+    prefill, the whole prompt stays allocated, unseen by kv_cache_nbytes), and at window 1 its
+    slice [-0:] keeps everything."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        keep = self.sliding_window - 1
+        if not self.record_past and keys.shape[-2] > keep:  # record_past: transformers trims in crop()
+            self.keys, self.values = (x[..., x.shape[-2] - keep :, :].clone() for x in (keys, values))
+        return keys, values
+
+
+class LayerwiseCache(DynamicCache):
+    """Generation cache of a model without DAR or uniform layers: an SWA layer keeps only the last
+    window - 1 tokens (all it can read again; the next query adds its own), every other layer
+    keeps all. Dilated layers read every dilation-th older key by absolute position, so they keep
+    all too. (DimAttnConfig has no ``layer_types``, from which DynamicCache(config=...) would build
+    this.)"""
+
+    def __init__(self, config: DimAttnConfig):
+        Cache.__init__(self, layers=[
+            CompactSlidingWindowLayer(sliding_window=config.window) if config.layer_attention(i) == "swa"
+            else DynamicLayer()
+            for i in range(config.num_hidden_layers)
+        ])  # fmt: skip
+
+
+def new_cache(config: DimAttnConfig) -> DynamicCache:
+    """The generation cache of a model of this config, fitted to its layers' attention."""
+    return DimAttnCache(config) if config.uses_bottleneck else LayerwiseCache(config)
+
+
 def kv_cache_nbytes(cache) -> int:
-    """Bytes held by a DimAttnCache or a plain DynamicCache."""
+    """Bytes held by a DimAttnCache or a DynamicCache (LayerwiseCache: SWA layers hold their window)."""
     if isinstance(cache, DimAttnCache):
         return cache.nbytes()
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
@@ -240,6 +274,8 @@ class CausalSelfAttention(nn.Module):
             pairs = iter(zip(keys, values))
             near_kv = next(pairs) if self.variant.near else None
             far_kv = next(pairs) if self.variant.far else None
+        if key_padding_mask is not None:  # (B, past + T); a sliding layer's cache returns its last keys only
+            key_padding_mask = key_padding_mask[:, -(near_kv or far_kv)[0].shape[-2]:]
 
         def attend(q, near_kv, far_kv):
             return self.variant(
@@ -285,7 +321,8 @@ class CausalSelfAttention(nn.Module):
             near_k = k if state.near_k is None else torch.cat([state.near_k, k], dim=-2)
             near_v = v if state.near_v is None else torch.cat([state.near_v, v], dim=-2)
             keep = max(0, near_k.shape[-2] - (window - 1))  # the next query needs w - 1 besides itself
-            state.near_k, state.near_v = near_k[..., keep:, :], near_v[..., keep:, :]
+            # copies: a view would keep the whole prefill's keys allocated, unseen by nbytes
+            state.near_k, state.near_v = near_k[..., keep:, :].clone(), near_v[..., keep:, :].clone()
         else:
             near_k = near_v = k[..., :0, :]
 
@@ -428,10 +465,8 @@ class DimAttnForCausalLM(DimAttnPreTrainedModel, GenerationMixin):
         validation loss) lets a CPU forward compute the loss without the (N, V) logits, which
         then come back as None; every other caller gets logits as from any transformers model."""
         cache = cache if cache is not None else past_key_values
-        if self.config.uses_bottleneck and type(cache) is DynamicCache and cache.get_seq_length() == 0:
-            cache = None  # generate() hands every model an empty DynamicCache; DAR keeps its own
-        if use_cache and cache is None:
-            cache = DimAttnCache(self.config) if self.config.uses_bottleneck else DynamicCache()
+        if (use_cache and cache is None) or (type(cache) is DynamicCache and cache.get_seq_length() == 0):
+            cache = new_cache(self.config)  # generate() hands every model an empty plain DynamicCache
         hidden = self.gpt_neox(input_ids, attention_mask, position_ids, cache if use_cache is not False else None)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
