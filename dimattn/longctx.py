@@ -2,7 +2,7 @@
 Size of Your Long-Context Language Models?"; lm-eval's ``ruler`` tasks, seed 003's Tables 2-6),
 generated here at CPU scale from a seeded RNG and a small vocabulary: no download.
 
-Subtasks (``SUBTASKS``; the lm-eval task each stands for in ``RULER_TASK``)::
+Subtasks (``SUBTASKS``; the lm-eval task each stands for in ``dimattn.sweeps.RULER_TASK``)::
 
     niah_single      one needle "k = v" in a haystack of words; asked k, answer v
     niah_multikey    m needles of distinct keys; one is asked
@@ -62,15 +62,13 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from .data import DataError
-from .recall import BOS_ID, EOS_ID, MAX_VOCAB, QUERY_ID, RECALL_SPECIALS, decode_through_cache, split_rng
-from .recall import load_synthetic_examples, word_level_tokenizer, write_synthetic_corpus
+from .recall import BOS_ID, EOS_ID, MAX_VOCAB, QUERY_ID, RECALL_SPECIALS, cache_bytes_per_token, decode_through_cache
+from .recall import load_synthetic_examples, split_rng, word_level_tokenizer, write_synthetic_corpus
+from .sweeps import RULER_TASK  # there, torch-free: the reports read it
 
 SOURCE = "synthetic_longctx"
 SUBTASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa")
 # the lm-eval (0.4) RULER task each subtask is modelled on (seed 003 averages 13 of them)
-RULER_TASK = {"niah_single": "niah_single_1", "niah_multikey": "niah_multikey_1", "niah_multivalue": "niah_multivalue",
-              "niah_multiquery": "niah_multiquery", "vt": "ruler_vt", "cwe": "ruler_cwe", "fwe": "ruler_fwe",
-              "qa": "ruler_qa_squad"}  # fmt: skip
 # lm-eval 0.4.13's RULER metric per subtask: process_results (string_match_all), and for its qa
 # tasks process_results_part (string_match_part), each on one example, then the mean.
 PART_SCORED = ("qa",)
@@ -521,7 +519,10 @@ def score_suite(model, tokens_bin, batch_size: int, max_examples: int | None = N
     """The suite's scores (:func:`score_predictions`) of a loaded model on a split, by greedy
     generation through the KV cache (:func:`generate_answers`); ``needle``: per subtask of
     NEEDLE_TASKS its score by the asked needle's depth (:func:`needle_scores`, the needle heat
-    map's column at this length)."""
+    map's column at this length); ``cache_bytes_per_token``: the model's cache over its first
+    example (dimattn.recall.cache_bytes_per_token)."""
+    import torch
+
     if type(batch_size) is not int or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     examples, meta = load_suite(tokens_bin)
@@ -540,7 +541,10 @@ def score_suite(model, tokens_bin, batch_size: int, max_examples: int | None = N
               for i in depths}  # fmt: skip
     needle = {task: needle_scores({i: d for i, d in depths.items() if answers[i][0] == task}, scores)
               for task in NEEDLE_TASKS if task in layout["subtasks"]}  # fmt: skip
-    return {"split": meta.get("split", "test"), "seq_len": length, **result, "needle": needle}
+    first = torch.from_numpy(examples[:1].astype(np.int64)).to(next(model.parameters()).device)
+    cache = cache_bytes_per_token(model, first, answers[0][1])  # its prompt prefilled, its answer decoded
+    return {"split": meta.get("split", "test"), "seq_len": length, **result, "needle": needle,
+            "cache_bytes_per_token": cache}
 
 
 def _settings_fields(stored: dict) -> dict:

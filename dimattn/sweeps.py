@@ -74,6 +74,10 @@ RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey
                "niah_multikey_3", "niah_multiquery", "niah_multivalue", "ruler_vt", "ruler_cwe", "ruler_fwe",
                "ruler_qa_squad", "ruler_qa_hotpot")  # fmt: skip
 RULER_MIN_LENGTH = 2048
+# The lm-eval RULER task each subtask of our long-context suite (dimattn.longctx) stands for.
+RULER_TASK = {"niah_single": "niah_single_1", "niah_multikey": "niah_multikey_1", "niah_multivalue": "niah_multivalue",
+              "niah_multiquery": "niah_multiquery", "vt": "ruler_vt", "cwe": "ruler_cwe", "fwe": "ruler_fwe",
+              "qa": "ruler_qa_squad"}  # fmt: skip
 # dimpo.latency's settings where a config sets it (Appendix H's timing; see the schema)
 LATENCY_DEFAULTS = {"prompt": 1024, "new": 32, "repeats": 3}
 # Runs DimPO can project: vanilla, and DAR or uniform, whose far keys F projects too (both
@@ -603,10 +607,7 @@ def check_references(p: Plan) -> None:
             where = f"dimpo.models[{i}].num_projected" if "num_projected" in spec else "dimpo.downstream.num_projected"
             raise ConfigError(where,
                               f"l={depth[0]} exceeds the {run.model['num_hidden_layers']} layers of run {spec['run']!r}")
-        if p.is_longctx(run.dataset):
-            raise ConfigError(key, f"run {spec['run']!r} is trained on the long-context suite {run.dataset!r}; "
-                                   "projecting it (and scoring it on the suite downstream) is not wired yet")
-        if run.synthetic:
+        if run.synthetic:  # the recall corpus or the long-context suite: captured on its own examples
             _check_recall_capture(p, i, spec, run)
         own = f"dimpo.models[{i}].d_prime" if "d_prime" in spec else "dimpo.d_prime"
         widths = {own: p.grid(spec["name"], "d_prime")} | {
@@ -618,12 +619,12 @@ def check_references(p: Plan) -> None:
             if too_wide:
                 raise ConfigError(width_key,
                                   f"{too_wide[0]} exceeds the head dimension {head_dim} of run {spec['run']!r}")
-    _check_downstream(p)
-    for study, spec in p.dimpo["ablations"].items():
+    for study, spec in p.dimpo["ablations"].items():  # before the downstream studies read them
         stray = [m for m in spec.get("models", []) if m not in p.dimpo_models]
         if stray:
             raise ConfigError(f"dimpo.ablations.{study}.models", f"{stray[0]!r} is not in dimpo.models "
                                                                  f"({list(p.dimpo_models)})")
+    _check_downstream(p)
     _check_top_k(p)
     studies = {"dimpo": p.dimpo} | {f"dimpo.ablations.{s}": a for s, a in p.dimpo["ablations"].items()}
     for prefix, spec in studies.items():
@@ -723,7 +724,7 @@ def _check_unsafe_tasks(p: Plan) -> None:
 
 
 def _check_recall_capture(p: Plan, i: int, spec: dict, run) -> None:
-    """A recall run is captured on its own corpus: whole examples, as many as its splits hold."""
+    """A recall or suite run is captured on its own corpus: whole examples, as many as its splits hold."""
     # the schema fills the recall corpus' defaults (seq_len, n_validation, n_test)
     data, capture = p.config["datasets"][run.dataset], p.dimpo_capture(spec["name"])
     if capture["seq_len"] != data["seq_len"]:

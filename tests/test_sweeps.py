@@ -254,6 +254,10 @@ BAD = {
     "ablation study choosing objectives": (
         lambda c: downstream(c, studies=[{"study": "quirks", "objectives": ["kl"], "num_projected": [2]}]),
         "dimpo.downstream.studies[0].objectives: only a table1 entry"),
+    "a downstream study of an ablation whose model is not fitted": (
+        lambda c: (c["dimpo"]["ablations"]["quirks"].update(models=["gone"]),
+                   downstream(c, num_projected=[1], studies=[{"study": "quirks", "num_projected": [1]}])),
+        "dimpo.ablations.quirks.models: 'gone' is not in dimpo.models"),
     "downstream study unknown": (lambda c: downstream(c, studies=[{"study": "table7", "num_projected": [2]}]),
                                  "dimpo.downstream.studies[0].study"),
     "downstream study too deep": (lambda c: downstream(c, studies=[{"study": "quirks", "num_projected": [9]}]),
@@ -298,8 +302,9 @@ BAD = {
                                         "evaluation.longctx.datasets[0]: 'recall' is not a synthetic_longctx corpus"),
     "suite scored in another vocabulary": (lambda c: (with_long(c), c["datasets"]["longctx_x2"].update(n_keys=32)),
                                            "datasets.longctx_x2.n_keys: 32 differs from 'longctx'"),
-    "suite run projected": (lambda c: (with_long(c), c["dimpo"]["models"].append({"name": "x", "run": "long-vanilla"})),
-                            "dimpo.models[1].run: run 'long-vanilla' is trained on the long-context suite"),
+    "suite run captured off its examples": (
+        lambda c: (with_long(c), c["dimpo"]["models"].append({"name": "x", "run": "long-vanilla"})),
+        "dimpo.models[1].capture.seq_len: 256 is not the example length 128 of 'longctx'"),
     "suite training off its examples": (lambda c: (with_long(c), c["pretraining"]["scales"]["long"]["training"].update(
         seq_len=256)), "pretraining.scales.long.training.seq_len: 256 must equal datasets.longctx.seq_len=128"),
     "suite unknown subtask": (lambda c: (with_long(c), c["datasets"]["longctx"].update(subtasks=["passkey"])), "passkey"),
@@ -580,6 +585,13 @@ def test_each_model_is_captured_and_scored_by_its_kind():
     assert len(plan.model_fits("tiny-vanilla")) == len(plan.dimpo_fits)
     # text models alone: no long-context report
     assert "long_context" not in plan_of(mutated(lambda c: downstream(c))).dimpo_studies
+    # a suite run: captured on its own examples, scored on the suite at each of its lengths
+    plan = plan_of(mutated(lambda c: (with_long(c), downstream(c, num_projected=[2]), c["dimpo"]["models"].append(
+        {"name": "long", "run": "long-vanilla", "capture": {"seq_len": 128}, "num_projected": [3, 6],
+         "downstream_d_prime": [4]}))))
+    assert plan.dimpo_probe("long") == "longctx" and plan.generative_probe("long")
+    assert plan.longctx_targets("long-vanilla") == ["longctx", "longctx_x2"]
+    assert {p.num_projected for p in plan.projected("long")} == {0, 3, 6} and "long_context" in plan.dimpo_studies
     # a model's own downstream d' (seed 003's d'/d = 1/2 at its head dimension) replaces the shared one
     plan = plan_of(mutated(lambda c: (add_recall(c), c["dimpo"]["models"][1].update(downstream_d_prime=[8, 16]))))
     assert {p.d_prime for p in plan.projected("recall-vanilla")} == {0, 8, 16}

@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..longctx import RULER_TASK
-from ..sweeps import BASE_OBJECTIVE, MAIN_STUDY, NO_KV, RULER_TASKS
+from ..sweeps import BASE_OBJECTIVE, MAIN_STUDY, NO_KV, RULER_TASK, RULER_TASKS
 from . import latex, paper, plots
 from .latex import MISSING, SpreadCells, Tex, fmt
 from .paper import OBJECTIVE_LABELS, objective_rank
@@ -222,7 +221,7 @@ def long_context(df: pd.DataFrame) -> pd.DataFrame:
 
 def _suite_groups(subtasks) -> dict[str, list[str]]:
     """The suite's subtasks under Tables 2-3's column of the RULER task each is modelled on
-    (dimattn.longctx.RULER_TASK), in RULER_GROUPS' order; its one QA subtask stands for SQuAD."""
+    (dimattn.sweeps.RULER_TASK), in RULER_GROUPS' order; its one QA subtask stands for SQuAD."""
     out = {}
     for column, tasks in RULER_GROUPS.items():
         mine = [t for t in subtasks if RULER_TASK.get(t) in tasks]
