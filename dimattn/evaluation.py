@@ -40,7 +40,9 @@ def load_model(model_dir: Path, device: str = "cpu"):
 def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: int | None = None,
                precision: str = "fp32") -> dict:  # fmt: skip
     """Mean next-token NLL over non-overlapping windows of seq_len covering the split;
-    ``precision`` (dimattn.precision, evaluation.precision) autocasts the forwards."""
+    ``precision`` (dimattn.precision, evaluation.precision) autocasts the forwards;
+    ``cache_bytes_per_token``: the model's generation cache over the first window
+    (dimattn.recall.cache_bytes_per_token), in the model's dtype."""
     n = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
     n_windows = n // seq_len
     if n_windows == 0:
@@ -59,7 +61,12 @@ def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tok
         total_nll += loss.item() * count
         total_count += count
     loss = total_nll / total_count
-    return {"n_tokens": total_count, "loss": loss, "ppl": math.exp(loss), "precision": precision}
+    from .recall import cache_bytes_per_token
+
+    # one window as a prompt: what a cache of this model holds for a context of seq_len tokens
+    cache = cache_bytes_per_token(model, windows[:1].to(device))
+    return {"n_tokens": total_count, "loss": loss, "ppl": math.exp(loss), "precision": precision,
+            "cache_bytes_per_token": cache}
 
 
 def evaluate_perplexity(model_dir: Path, tokens_bin: Path, corpus: str, seq_len: int, batch_size: int,

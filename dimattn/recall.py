@@ -464,7 +464,7 @@ def predict_through_cache(model, examples: np.ndarray, queries: np.ndarray, pref
     return _predict(examples, queries, batch_size, device, lambda x: decode_through_cache(model, x, prefill, length - 1))
 
 
-def decode_through_cache(model, x, prefill: int, stop: int, greedy: bool = False):
+def decode_through_cache(model, x, prefill: int, stop: int, greedy: bool = False, return_cache: bool = False):
     """(b, stop) argmax of ``model`` at positions 0 .. stop - 1 of the token batch ``x``: the
     first ``prefill`` tokens one prompt, then a token at a time through the model's KV cache
     (where KV compression acts), positions passed explicitly (an evicting cache is shorter than
@@ -479,7 +479,28 @@ def decode_through_cache(model, x, prefill: int, stop: int, greedy: bool = False
         token = steps[-1][:, -1:] if greedy else x[:, t : t + 1]
         out = model(input_ids=token, position_ids=positions[:, t : t + 1], cache=out.past_key_values, use_cache=True)
         steps.append(out.logits.argmax(-1))
-    return torch.cat(steps, dim=1)
+    found = torch.cat(steps, dim=1)
+    return (found, out.past_key_values) if return_cache else found
+
+
+def cache_bytes_per_token(model, x, prefill: int | None = None) -> float:
+    """KV-cache bytes per token, measured from the generation cache the model itself keeps
+    (its nbytes: DimAttnCache's latents, a sliding layer's window, a ProjectedCache's d'-wide
+    keys, KIVI's packed codes, SnapKV's kept tokens) after it has seen every token of ``x``
+    (B, T), over B x T. ``prefill``: the first ``prefill`` tokens one prompt and the rest decoded
+    a token at a time, as the probes score (:func:`decode_through_cache`; SnapKV evicts from the
+    prompt only); None: all of x one prompt, which any transformers model takes."""
+    import torch
+
+    from .modeling_dimattn import kv_cache_nbytes
+
+    with torch.no_grad():
+        if prefill is None:
+            cache = model(input_ids=x, use_cache=True).past_key_values
+        else:
+            _, cache = decode_through_cache(model, x, prefill, x.shape[1], return_cache=True)
+    nbytes = cache.nbytes() if hasattr(cache, "nbytes") else kv_cache_nbytes(cache)
+    return nbytes / x.numel()
 
 
 def score_recall(model, tokens_bin, batch_size: int, distance_bins: list[int] | None = None,
@@ -491,6 +512,8 @@ def score_recall(model, tokens_bin, batch_size: int, distance_bins: list[int] | 
     four equal-width bins over the possible distances. ``through_cache``: the context (every
     token before the first query slot, ``min_query_pos``) is prefilled and the rest decoded
     through the KV cache (:func:`predict_through_cache`); else one forward of each example.
+    ``cache_bytes_per_token``: the model's cache over one example scored through it
+    (:func:`cache_bytes_per_token`), whichever way the predictions were made.
     """
     if type(batch_size) is not int or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
@@ -511,6 +534,11 @@ def score_recall(model, tokens_bin, batch_size: int, distance_bins: list[int] | 
     n_values = layout["value_ids"][1] - layout["value_ids"][0]
     result = {"split": meta.get("split", "test"), **score_queries(predictions, queries, bins)}
     result["chance"] = 1.0 / n_values
+    import torch
+
+    # one example suffices: a cache's bytes per token do not depend on the batch
+    first = torch.from_numpy(examples[:1].astype(np.int64)).to(next(model.parameters()).device)
+    result["cache_bytes_per_token"] = cache_bytes_per_token(model, first, layout["min_query_pos"])
     if through_cache:
         result["prefill"] = layout["min_query_pos"]
     return result

@@ -198,6 +198,26 @@ rule summarize_latency:
         "../workflow_scripts/summarize.py"
 
 
+# The KV frontier's points: every scored run and projected model beside its measured cache.
+rule summarize_frontier:
+    input:
+        perplexity_files() + recall_files() + longctx_files() + downstream_files(),
+    output:
+        paths.summary("kv_frontier"),
+    log:
+        paths.log("report", "summarize_frontier"),
+    benchmark:
+        paths.bench("summarize_frontier", "summarize_frontier")
+    conda:
+        "../envs/report.yaml"
+    threads: 1
+    resources:
+        runtime=scaled(5, "runtime"),
+        mem_mb=scaled(1000, "mem_mb"),
+    script:
+        "../workflow_scripts/summarize.py"
+
+
 # render_dar, render_baselines, render_recall, render_lm_eval, render_dimpo: each declares
 # exactly the category's wanted outputs and reads the summaries they need.
 for category, names in outputs.by_category(REPORTED).items():

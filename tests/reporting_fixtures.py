@@ -502,6 +502,14 @@ def bin_accuracies(s):
     return [near, acc, acc, far]
 
 
+def cache_bytes(model: dict) -> float:
+    """What a run's cache would hold a token (4 layers, float32): full keys and values, d_down
+    wide on a bottleneck, a window's share of 256 tokens on a sliding one."""
+    width = 2 * model["hidden_size"] if model.get("d_down") is None else model["d_down"] + 2 * model["hidden_size"] / 8
+    share = min(1.0, model["window"] / 256) if model["attention"] == "swa" else 1.0
+    return 4 * 4 * width * share
+
+
 def write_full(root: Path, runs=FULL) -> dict[str, list[Path]]:
     """Raw outputs of ``runs``: perplexity and lm-eval JSON of text runs, recall JSON of synthetic
     ones, and every run's model directory."""
@@ -523,12 +531,14 @@ def write_full(root: Path, runs=FULL) -> dict[str, list[Path]]:
                     for (lo, hi), a in zip(BINS, bin_accuracies(s))
                 ],
                 "chance": CHANCE,
+                "cache_bytes_per_token": cache_bytes(s["model"]),
             }
             (run_dir / f"recall_{RECALL}.json").write_text(json.dumps(rec))
             out["recall"].append(run_dir / f"recall_{RECALL}.json")
         else:
             ppl = VANILLA_TEXT_PPL[hidden] * VANILLA_SEED_FACTOR[seed] * s["rel"] / 100
-            record = meta | {"corpus": TEXT, "split": "test", "n_tokens": 1000, "loss": math.log(ppl), "ppl": ppl}
+            record = meta | {"corpus": TEXT, "split": "test", "n_tokens": 1000, "loss": math.log(ppl), "ppl": ppl,
+                             "cache_bytes_per_token": cache_bytes(s["model"])}  # fmt: skip
             (run_dir / f"perplexity_{TEXT}.json").write_text(json.dumps(record))
             out["ppl"].append(run_dir / f"perplexity_{TEXT}.json")
             # Downstream: accuracy follows the bottleneck like seed 000 Table 4; bits per byte the perplexity.
@@ -582,6 +592,7 @@ def write_full_summaries(root: Path, raw=None, runs=FULL) -> Path:
                                    datasets={s["run"]: s["dataset"] for s in runs})
     if raw["recall"]:
         summaries.summarize_recall(raw["recall"], summary_path(summary, "recall"))
+    summaries.summarize_frontier(raw["ppl"] + raw["recall"], summary_path(summary, "kv_frontier"))
     return summary
 
 

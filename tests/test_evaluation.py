@@ -114,9 +114,24 @@ def test_task_yamls_load_through_lm_evals_task_manager():
     assert "_dimattn_template_yaml" not in manager.all_tasks
 
 
-def test_perplexity_in_bf16_autocasts_the_forwards_and_stays_near_fp32():
+def test_perplexity_measures_the_cache_of_one_window():
+    """cache_bytes_per_token: what the model's own generation cache holds a token of a seq_len
+    window, from its tensors: full keys and values (2 layers x 2 x 32 dims x 4 bytes), and DAR's
+    latent (d_down) beside the last w - 1 tokens' keys and values, plus each slot's position."""
+    tokens = np.random.default_rng(0).integers(0, 50, size=100).astype(np.uint16)
+    vanilla = evaluation.perplexity(tiny_model(), tokens, seq_len=16, batch_size=4)
+    assert vanilla["cache_bytes_per_token"] == 2 * 2 * 32 * 4
+    dar = evaluation.perplexity(tiny_model(attention="dar", window=4, d_down=8), tokens, seq_len=16, batch_size=4)
+    expected = 2 * (8 * 16 + 2 * 32 * 3) * 4 + 16 * 4  # latents, near k/v of 3 slots, int32 positions
+    assert dar["cache_bytes_per_token"] == pytest.approx(expected / 16)
+
+
+def test_perplexity_in_bf16_autocasts_the_forwards_and_stays_near_fp32(monkeypatch):
     """evaluation.precision bf16: the matmuls run in bfloat16 (a Linear's output is bf16), the
     loss reduces in float32 and stays within bf16 rounding of the float32 one."""
+    import dimattn.recall
+
+    monkeypatch.setattr(dimattn.recall, "cache_bytes_per_token", lambda *a, **k: 0.0)  # its forward is fp32
     model = tiny_model()
     tokens = np.random.default_rng(0).integers(0, 50, size=100).astype(np.uint16)
     seen = []

@@ -289,6 +289,8 @@ def test_score_projected_scores_the_suite_through_a_projected_directory(tmp_path
     assert [record["longctx"][c]["seq_len"] for c in suites] == [48, 96]
     plain = score_suite(load_model(tmp_path / "run"), suites["suite96"], batch_size=4)
     assert plain["subtasks"] != record["longctx"]["suite96"]["subtasks"]  # projection and SnapKV act
+    # and hold fewer bytes: keys d' = 8 of 16 wide on the projected layer, SnapKV's 16 prompt tokens kept
+    assert record["longctx"]["suite96"]["cache_bytes_per_token"] < plain["cache_bytes_per_token"]
 
     df = summarize_downstream([tmp_path / "out.json"], tmp_path / "downstream.csv").set_index(["task", "metric"])
     suite = record["longctx"]["suite48"]

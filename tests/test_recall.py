@@ -114,7 +114,8 @@ class Oracle(torch.nn.Module):
         self.vocab, self.wrong_at = vocab, wrong_at
         self.dummy = torch.nn.Parameter(torch.zeros(()))
 
-    def forward(self, x, labels=None, **kwargs):  # kwargs: return_logits, as transformers models take
+    def forward(self, x=None, labels=None, input_ids=None, **kwargs):  # kwargs: return_logits, as transformers take
+        x = input_ids if x is None else x
         nxt = torch.roll(x, -1, dims=1)
         if self.wrong_at is not None:
             nxt[:, self.wrong_at] = 0
@@ -123,7 +124,8 @@ class Oracle(torch.nn.Module):
         if labels is not None:
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
                                                      ignore_index=-100)
-        return types.SimpleNamespace(logits=logits, loss=loss)
+        # no cache: it holds no bytes (what the recall record's cache_bytes_per_token reads)
+        return types.SimpleNamespace(logits=logits, loss=loss, past_key_values=types.SimpleNamespace(nbytes=lambda: 0))
 
 
 def test_scoring_reads_exactly_the_query_positions(settings):
@@ -276,10 +278,11 @@ class Constant(torch.nn.Module):
         self.vocab, self.token = vocab, token
         self.dummy = torch.nn.Parameter(torch.zeros(()))
 
-    def forward(self, x):
+    def forward(self, x=None, input_ids=None, **kwargs):
+        x = input_ids if x is None else x
         logits = torch.zeros(*x.shape, self.vocab)
         logits[..., self.token] = 1.0
-        return types.SimpleNamespace(logits=logits)
+        return types.SimpleNamespace(logits=logits, past_key_values=types.SimpleNamespace(nbytes=lambda: 0))
 
 
 def test_evaluate_recall_writes_the_summary(tmp_path, monkeypatch):
@@ -299,6 +302,9 @@ def test_evaluate_recall_writes_the_summary(tmp_path, monkeypatch):
     assert result["corpus"] == "recall" and result["split"] == "test"
     assert result["n_queries"] == s.n_test * s.queries and 0 <= result["accuracy"] <= 1
     assert result["chance"] == 1 / s.n_values
+    # DimAttnCache over a 48-token example: the d_down = 4 latent of every slot, full keys and
+    # values (16 dims) of the last w - 1 = 3, and each slot's int32 position
+    assert result["cache_bytes_per_token"] == pytest.approx(((4 * 48 + 2 * 16 * 3) * 4 + 48 * 4) / 48)
     bins = result["by_distance"]
     assert sum(b["n"] for b in bins) == result["n_queries"]
     assert bins[0]["min_distance"] == s.min_distance and bins[-1]["max_distance"] == s.max_distance

@@ -24,6 +24,7 @@ from dimattn import variants
 from dimattn.reporting import outputs, selection, summaries
 from dimattn.reporting.selection import NoRuns
 
+FRONTIER = {"figures/kv_frontier.png"}  # every run is a point of it
 TEXT_OUTPUTS = {"tables/dar_perplexity.tex", "figures/dar_perplexity.png", "figures/dar_trajectory.png"}
 
 
@@ -56,6 +57,7 @@ def test_table1_and_trajectory_need_a_vanilla_run_beside_a_plain_bottleneck_run(
     assert wanted([VANILLA, DAR]) >= TEXT_OUTPUTS
     assert wanted([VANILLA, run("uniform", d_down=8)]) >= TEXT_OUTPUTS
     assert not wanted([VANILLA]) & TEXT_OUTPUTS  # nothing to set against Vanilla
+    assert wanted([VANILLA]) == FRONTIER  # but a point of the frontier
     assert not wanted([DAR]) & TEXT_OUTPUTS  # no Rel. without Vanilla
     # A sigmoid bottleneck is a DAR variant, not a Table 1 run.
     assert not wanted([VANILLA, run("dar", window=16, d_down=16, bottleneck_activation="sigmoid")]) & TEXT_OUTPUTS
@@ -122,7 +124,7 @@ def test_recall_lm_eval_and_dimpo_outputs():
     assert not wanted([VANILLA, DAR]) & recall
     assert "tables/lm_eval.tex" in wanted([VANILLA], lm_eval=True)
     assert "tables/lm_eval.tex" not in wanted([VANILLA])
-    assert wanted([VANILLA], dimpo=["table1"]) == dimpo
+    assert wanted([VANILLA], dimpo=["table1"]) == dimpo | FRONTIER
     assert not wanted([VANILLA]) & dimpo
     assert wanted([], dimpo=["table1"]) == dimpo
     # Each study of dimpo.ablations brings its own output; Figure 4's three panels share one.
@@ -150,9 +152,9 @@ def test_replicates_count_once():
 
 
 def test_wanted_summaries():
-    assert outputs.wanted_summaries([VANILLA], False, ()) == ["dar_perplexity", "dar_trajectory"]
+    assert outputs.wanted_summaries([VANILLA], False, ()) == ["dar_perplexity", "dar_trajectory", "kv_frontier"]
     assert outputs.wanted_summaries([run("vanilla", synthetic=True)], True, ["table1"]) == [
-        "dar_trajectory", "recall", "lm_eval", "dimpo_fidelity"]
+        "dar_trajectory", "recall", "lm_eval", "dimpo_fidelity", "kv_frontier"]
     assert outputs.wanted_summaries([], False, ["table1"]) == ["dimpo_fidelity"]
 
 
@@ -163,7 +165,7 @@ def test_registry_paths_captions_and_categories():
         assert set(out.optional) <= set(out.summaries) <= set(outputs.SUMMARIES)
         assert callable(out.render)
     groups = outputs.by_category(outputs.OUTPUTS)
-    assert list(groups) == ["DAR", "Baselines", "Recall", "lm-eval", "DimPO", "Long-context"]
+    assert list(groups) == ["DAR", "Baselines", "Recall", "lm-eval", "DimPO", "Long-context", "Frontier"]
     assert outputs.reads(groups["Recall"], list(outputs.SUMMARIES)) == ["recall"]
     assert outputs.reads(groups["DAR"], ["dar_perplexity", "dar_trajectory"]) == ["dar_perplexity", "dar_trajectory"]
     targets = outputs.targets([VANILLA, DAR], False, ())
@@ -208,7 +210,7 @@ def test_without_recall_runs_nothing_recall_is_rendered(tmp_path):
     summary = write_full_summaries(tmp_path, runs=text_only)
     names = {str(p.relative_to(tmp_path / "results"))
              for p in outputs.render_existing(summary, REFERENCE, tmp_path / "results")}
-    assert names == TEXT_OUTPUTS | {"tables/dar_scales.tex", "tables/dar_downstream.tex", "tables/lm_eval.tex"}
+    assert names == TEXT_OUTPUTS | FRONTIER | {"tables/dar_scales.tex", "tables/dar_downstream.tex", "tables/lm_eval.tex"}
     assert outputs.wanted([fields(s) for s in text_only], lm_eval=True, dimpo=()) == sorted(
         names, key=list(outputs.OUTPUTS).index)
 
@@ -216,8 +218,8 @@ def test_without_recall_runs_nothing_recall_is_rendered(tmp_path):
 def test_recall_sweeps_beside_a_text_scale_without_one(tmp_path):
     """Only the recall scale has a window sweep and seed 001 variants; no text run is at d/4."""
     runs = [s for s in FULL if s["synthetic"] or s["run"] in ("tiny-vanilla", "tiny-dar-w32-d64")]
-    expected = TEXT_OUTPUTS | {"tables/dar_window.tex", "figures/dar_window.png", "tables/baselines.tex",
-                               "tables/recall.tex", "figures/recall.png"}
+    expected = TEXT_OUTPUTS | FRONTIER | {"tables/dar_window.tex", "figures/dar_window.png", "tables/baselines.tex",
+                                          "tables/recall.tex", "figures/recall.png"}
     assert wanted([fields(s) for s in runs]) == expected
     summary = write_full_summaries(tmp_path, runs=runs)
     summary_path(summary, "lm_eval").unlink()

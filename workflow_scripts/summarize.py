@@ -15,6 +15,7 @@ with logged(snakemake):
         "summarize_fidelity": summaries.summarize_fidelity,
         "summarize_downstream": summaries.summarize_downstream,
         "summarize_latency": summaries.summarize_latency,
+        "summarize_frontier": summaries.summarize_frontier,
     }[snakemake.rule]
     # params are keyword arguments: datasets (trajectory)
     summarize([Path(p) for p in snakemake.input], Path(snakemake.output[0]), **dict(snakemake.params.items()))

@@ -98,6 +98,8 @@ SUMMARIES: dict[str, Callable[[Asked], bool]] = {
     "dimpo_latency": _study("latency"),
     "longctx": lambda asked: asked.longctx,
     "longctx_needle": lambda asked: asked.longctx,
+    # every run is scored on perplexity, recall or the suite, each with its cache measured
+    "kv_frontier": lambda asked: bool(asked.runs),
 }
 
 
@@ -172,6 +174,9 @@ OUTPUTS: dict[str, Output] = {
         # Seed 003's RULER in our mould (dimattn.longctx): the needle heat map
         _output("Long-context", paths.figure("longctx_needle"), "long_context:needle_figure",
                 lambda asked: asked.longctx, ["longctx_needle"]),
+        # All three seeds in one picture: quality against the measured KV-cache bytes per token
+        _output("Frontier", paths.figure("kv_frontier"), "frontier:frontier_figure", SUMMARIES["kv_frontier"],
+                ["kv_frontier"]),
     )
 }
 

@@ -8,7 +8,9 @@ Each ``summarize_*`` reads one kind of raw output and writes ``paths.summary(<na
   Figure 3 (it lists every run, text and synthetic, with its training dataset);
 * ``lm_eval``: lm-eval's results JSON per run, for seed 000 Table 4 and the lm-eval table;
 * ``recall``: the recall-probe JSON of every synthetic run (``dimattn.recall``);
-* ``dimpo_fidelity``: the fidelity CSV per (model, objective, d'), for seed 003 Table 1.
+* ``dimpo_fidelity``: the fidelity CSV per (model, objective, d'), for seed 003 Table 1;
+* ``kv_frontier``: every scored model's quality beside the KV-cache bytes per token its own
+  cache measured (runs and projected models alike), for the accuracy-against-bytes frontier.
 
 Every row of a run carries its run fields (``dimattn.variants.RUN_FIELDS``: the config's names,
 a field its variant does not take left empty), so the renderers select runs by what they are.
@@ -60,6 +62,13 @@ COLUMNS = {
     "dimpo_latency": ["model", "d_prime", "setting", "num_projected", "kv", "device", "dtype", "prompt", "new",
                       "repeats", "prefill_s", "decode_s", "tokens_per_s", "cache_bytes", "peak_bytes", "peak_kind",
                       "prefill_ratio", "decode_ratio", "cache_ratio", "peak_ratio"],
+    # A point of the frontier: one scored model (a run, or a projected model of dimpo.downstream)
+    # on one probe, its value and what its cache measured (cache_bytes_per_token); rel_to_base:
+    # 100 x value / its base's under the same protocol (a run: the vanilla run of its width; a
+    # projected model: its own base model, l = 0, uncompressed), paired by seed as rel_to_vanilla.
+    "kv_frontier": ["source", "probe", "metric", "higher_is_better", "family", "reference"] + RUN_FIELDS
+    + [f for f in DOWNSTREAM_FIELDS if f not in ("share", "seed", "scale")]
+    + ["value", "cache_bytes_per_token", "rel_to_base", "base_seed"],
     # study: dimattn.sweeps.MAIN_STUDY (Table 1) or a dimpo.ablations key; setting_order: the
     # setting's place in that study's list. A fit in two studies has rows in both.
     "dimpo_fidelity": ["study", "setting_order"] + FIDELITY_COLUMNS,
@@ -85,10 +94,13 @@ INT_COLUMNS = [
     "setting_order",
     "num_projected",
     "n_layers",
+    "base_seed",
+    "kv_level",
 ]
 # attention_layers "2.3" is a string, not the number 2.3.
 STR_COLUMNS = ["run", "attention", "bottleneck_activation", "attention_layers", "corpus", "split", "dataset", "scope",
-               "setting", "study", "kv", "task", "metric"]
+               "setting", "study", "kv", "task", "metric", "source", "probe", "family", "reference", "objective",
+               "kv_method", "model"]
 
 
 # ----------------------------------------------------------------------------- reading back
@@ -533,3 +545,94 @@ def summarize_latency(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike |
     df = pd.DataFrame(rows)[COLUMNS["dimpo_latency"]]
     _write_csv(df, out_csv)
     return df
+
+
+# ----------------------------------------------------------------------------- the frontier
+
+BASE_OBJECTIVE = "base"  # dimattn.sweeps.BASE_OBJECTIVE: a projected model's l = 0 row
+FRONTIER_PROBES = {  # probe kind -> (metric, higher is better)
+    "perplexity": ("ppl", False),
+    "recall": ("accuracy", True),
+    "longctx": ("score", True),
+}
+
+
+def _bytes(entry: dict, path, probe: str) -> float:
+    found = entry.get("cache_bytes_per_token")
+    if found is None:
+        raise ValueError(f"{path}: its {probe} score lacks cache_bytes_per_token (written before the KV frontier "
+                         "measured caches): re-run the job that wrote it, e.g. snakemake --forcerun <rule>")
+    return float(found)
+
+
+def _run_family(fields: dict) -> str:
+    """A run's compression family: its attention, "+full" where full layers are mixed in."""
+    patterned = not variants.missing(fields.get("full_attention_every")) or not variants.missing(
+        fields.get("attention_layers"))
+    return fields["attention"] + ("+full" if patterned and fields["attention"] != "vanilla" else "")
+
+
+def _projected_family(record: dict) -> str:
+    """A projected model's: its objective (none for the base), "+<kv method>" under KV compression."""
+    objective = None if record["objective"] == BASE_OBJECTIVE else record["objective"]
+    kv = None if record.get("kv_method") in (None, "none", "") else record["kv_method"]
+    return "+".join(x for x in (objective, kv) if x) or "vanilla"
+
+
+def _frontier_rows(path, record: dict) -> list[dict]:
+    """The frontier's rows of one raw output, whichever kind it is: a run's perplexity, recall
+    or long-context record (dimattn.evaluation), or a projected model's (score_projected)."""
+    if "objective" in record and "num_projected" in record:  # a projected model
+        fields = {k: record.get(k) for k in DOWNSTREAM_FIELDS if k not in ("share", "scale")}
+        scored = [(f"perplexity:{c}", "perplexity", v["ppl"], _bytes(v, path, "perplexity"))
+                  for c, v in record.get("perplexity", {}).items()]  # fmt: skip
+        scored += [(f"recall:{c}", "recall", v["accuracy"], _bytes(v, path, "recall"))
+                   for c, v in record.get("recall", {}).items()]  # fmt: skip
+        scored += [(f"longctx:{c}", "longctx", v["average"] / 100, _bytes(v, path, "longctx"))
+                   for c, v in record.get("longctx", {}).items()]  # fmt: skip
+        common = {"source": "projected", "family": _projected_family(record), "reference": f"model={record['model']}",
+                  **fields, "attention": None}  # fmt: skip
+    else:
+        fields = _run_fields(record, path)
+        if "ppl" in record:
+            kind, value = "perplexity", record["ppl"]
+        elif "by_distance" in record:
+            kind, value = "recall", record["accuracy"]
+        elif "subtasks" in record:
+            kind, value = "longctx", record["average"] / 100
+        else:
+            raise ValueError(f"{path}: neither a perplexity, recall, long-context nor score_projected record")
+        scored = [(f"{kind}:{record['corpus']}", kind, value, _bytes(record, path, kind))]
+        common = {"source": "run", "family": _run_family(fields), "reference": f"hidden_size={fields['hidden_size']}",
+                  **fields}  # fmt: skip
+    rows = []
+    for probe, kind, value, nbytes in scored:
+        metric, higher = FRONTIER_PROBES[kind]
+        rows.append(common | {"probe": probe, "metric": metric, "higher_is_better": higher, "value": float(value),
+                              "cache_bytes_per_token": nbytes})  # fmt: skip
+    return rows
+
+
+def summarize_frontier(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
+    """The accuracy-against-bytes frontier's points (COLUMNS["kv_frontier"]): every run's
+    perplexity, recall and long-context record and every projected model's scores, each beside
+    the bytes per token its cache held (cache_bytes_per_token); lm-eval's scores carry no cache
+    measure and stay out. rel_to_base is paired by seed with the base of the same ``reference``
+    and probe: the vanilla run of a width, a projected model's l = 0 model."""
+    rows = [row for path in jsons for row in _frontier_rows(path, json.loads(Path(path).read_text()))]
+    if not rows:
+        raise ValueError("summarize_frontier got no scores with a measured cache")
+    df = pd.DataFrame(rows)
+    for column in COLUMNS["kv_frontier"]:
+        if column not in df.columns:
+            df[column] = None
+    df = _as_int(df)
+    base = (df["attention"] == "vanilla") | ((df["source"] == "projected") & (df["family"] == "vanilla"))
+    keys = ["probe", "reference"]
+    df["rel_to_base"], df["base_seed"] = relative(df, "value", base, keys, keys)
+    df = df.sort_values(["probe", "source", "reference", "family", "cache_bytes_per_token", "seed"],
+                        ascending=[True, False, True, True, False, True], kind="stable")[COLUMNS["kv_frontier"]]
+    df = df.reset_index(drop=True)
+    _write_csv(df, out_csv)
+    return df
+
