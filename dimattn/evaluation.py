@@ -43,6 +43,8 @@ def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tok
     ``precision`` (dimattn.precision, evaluation.precision) autocasts the forwards;
     ``cache_bytes_per_token``: the model's generation cache over the first window
     (dimattn.recall.cache_bytes_per_token), in the model's dtype."""
+    from .recall import cache_bytes_per_token
+
     n = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
     n_windows = n // seq_len
     if n_windows == 0:
@@ -61,10 +63,8 @@ def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tok
         total_nll += loss.item() * count
         total_count += count
     loss = total_nll / total_count
-    from .recall import cache_bytes_per_token
-
     # one window as a prompt: what a cache of this model holds for a context of seq_len tokens
-    cache = cache_bytes_per_token(model, windows[:1].to(device))
+    cache = cache_bytes_per_token(model, windows[:1])
     return {"n_tokens": total_count, "loss": loss, "ppl": math.exp(loss), "precision": precision,
             "cache_bytes_per_token": cache}
 

@@ -521,8 +521,6 @@ def score_suite(model, tokens_bin, batch_size: int, max_examples: int | None = N
     NEEDLE_TASKS its score by the asked needle's depth (:func:`needle_scores`, the needle heat
     map's column at this length); ``cache_bytes_per_token``: the model's cache over its first
     example (dimattn.recall.cache_bytes_per_token)."""
-    import torch
-
     if type(batch_size) is not int or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     examples, meta = load_suite(tokens_bin)
@@ -541,8 +539,7 @@ def score_suite(model, tokens_bin, batch_size: int, max_examples: int | None = N
               for i in depths}  # fmt: skip
     needle = {task: needle_scores({i: d for i, d in depths.items() if answers[i][0] == task}, scores)
               for task in NEEDLE_TASKS if task in layout["subtasks"]}  # fmt: skip
-    first = torch.from_numpy(examples[:1].astype(np.int64)).to(next(model.parameters()).device)
-    cache = cache_bytes_per_token(model, first, answers[0][1])  # its prompt prefilled, its answer decoded
+    cache = cache_bytes_per_token(model, examples[:1], answers[0][1])  # its prompt prefilled, its answer decoded
     return {"split": meta.get("split", "test"), "seq_len": length, **result, "needle": needle,
             "cache_bytes_per_token": cache}
 

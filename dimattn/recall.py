@@ -487,13 +487,16 @@ def cache_bytes_per_token(model, x, prefill: int | None = None) -> float:
     """KV-cache bytes per token, measured from the generation cache the model itself keeps
     (its nbytes: DimAttnCache's latents, a sliding layer's window, a ProjectedCache's d'-wide
     keys, KIVI's packed codes, SnapKV's kept tokens) after it has seen every token of ``x``
-    (B, T), over B x T. ``prefill``: the first ``prefill`` tokens one prompt and the rest decoded
-    a token at a time, as the probes score (:func:`decode_through_cache`; SnapKV evicts from the
-    prompt only); None: all of x one prompt, which any transformers model takes."""
+    (B, T token ids, an array or a tensor; one example suffices, as the bytes a token do not
+    depend on the batch), over B x T. ``prefill``: the first ``prefill`` tokens one prompt and
+    the rest decoded a token at a time, as the probes score (:func:`decode_through_cache`;
+    SnapKV evicts from the prompt only); None: all of x one prompt, which any transformers model
+    takes."""
     import torch
 
     from .modeling_dimattn import kv_cache_nbytes
 
+    x = torch.as_tensor(np.asarray(x, dtype=np.int64), device=next(model.parameters()).device)
     with torch.no_grad():
         if prefill is None:
             cache = model(input_ids=x, use_cache=True).past_key_values
@@ -534,11 +537,7 @@ def score_recall(model, tokens_bin, batch_size: int, distance_bins: list[int] | 
     n_values = layout["value_ids"][1] - layout["value_ids"][0]
     result = {"split": meta.get("split", "test"), **score_queries(predictions, queries, bins)}
     result["chance"] = 1.0 / n_values
-    import torch
-
-    # one example suffices: a cache's bytes per token do not depend on the batch
-    first = torch.from_numpy(examples[:1].astype(np.int64)).to(next(model.parameters()).device)
-    result["cache_bytes_per_token"] = cache_bytes_per_token(model, first, layout["min_query_pos"])
+    result["cache_bytes_per_token"] = cache_bytes_per_token(model, examples[:1], layout["min_query_pos"])
     if through_cache:
         result["prefill"] = layout["min_query_pos"]
     return result

@@ -34,7 +34,7 @@ from .. import variants
 from ..atomic import atomic_file
 from ..formats import FIDELITY_COLUMNS
 from ..runs import run_metadata
-from ..sweeps import MAIN_STUDY, RULER_TASKS
+from ..sweeps import BASE_OBJECTIVE, MAIN_STUDY, RULER_TASKS
 from .paper import objective_rank
 from .replicates import relative
 
@@ -549,11 +549,12 @@ def summarize_latency(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike |
 
 # ----------------------------------------------------------------------------- the frontier
 
-BASE_OBJECTIVE = "base"  # dimattn.sweeps.BASE_OBJECTIVE: a projected model's l = 0 row
-FRONTIER_PROBES = {  # probe kind -> (metric, higher is better)
-    "perplexity": ("ppl", False),
-    "recall": ("accuracy", True),
-    "longctx": ("score", True),
+# probe kind -> (metric, higher is better, the record key that marks a run's record of it, its
+# value in a record): the keys a run's and a projected model's records share per probe
+FRONTIER_PROBES = {
+    "perplexity": ("ppl", False, "ppl", lambda r: r["ppl"]),
+    "recall": ("accuracy", True, "by_distance", lambda r: r["accuracy"]),
+    "longctx": ("score", True, "subtasks", lambda r: r["average"] / 100),
 }
 
 
@@ -582,34 +583,25 @@ def _projected_family(record: dict) -> str:
 def _frontier_rows(path, record: dict) -> list[dict]:
     """The frontier's rows of one raw output, whichever kind it is: a run's perplexity, recall
     or long-context record (dimattn.evaluation), or a projected model's (score_projected)."""
-    if "objective" in record and "num_projected" in record:  # a projected model
+    if "objective" in record and "num_projected" in record:  # a projected model: {probe kind: {corpus: score}}
         fields = {k: record.get(k) for k in DOWNSTREAM_FIELDS if k not in ("share", "scale")}
-        scored = [(f"perplexity:{c}", "perplexity", v["ppl"], _bytes(v, path, "perplexity"))
-                  for c, v in record.get("perplexity", {}).items()]  # fmt: skip
-        scored += [(f"recall:{c}", "recall", v["accuracy"], _bytes(v, path, "recall"))
-                   for c, v in record.get("recall", {}).items()]  # fmt: skip
-        scored += [(f"longctx:{c}", "longctx", v["average"] / 100, _bytes(v, path, "longctx"))
-                   for c, v in record.get("longctx", {}).items()]  # fmt: skip
+        scored = [(kind, corpus, entry) for kind in FRONTIER_PROBES for corpus, entry in record.get(kind, {}).items()]
         common = {"source": "projected", "family": _projected_family(record), "reference": f"model={record['model']}",
                   **fields, "attention": None}  # fmt: skip
     else:
         fields = _run_fields(record, path)
-        if "ppl" in record:
-            kind, value = "perplexity", record["ppl"]
-        elif "by_distance" in record:
-            kind, value = "recall", record["accuracy"]
-        elif "subtasks" in record:
-            kind, value = "longctx", record["average"] / 100
-        else:
+        kinds = [kind for kind, (_, _, marker, _) in FRONTIER_PROBES.items() if marker in record]
+        if not kinds:
             raise ValueError(f"{path}: neither a perplexity, recall, long-context nor score_projected record")
-        scored = [(f"{kind}:{record['corpus']}", kind, value, _bytes(record, path, kind))]
+        scored = [(kinds[0], record["corpus"], record)]
         common = {"source": "run", "family": _run_family(fields), "reference": f"hidden_size={fields['hidden_size']}",
                   **fields}  # fmt: skip
     rows = []
-    for probe, kind, value, nbytes in scored:
-        metric, higher = FRONTIER_PROBES[kind]
-        rows.append(common | {"probe": probe, "metric": metric, "higher_is_better": higher, "value": float(value),
-                              "cache_bytes_per_token": nbytes})  # fmt: skip
+    for kind, corpus, entry in scored:
+        metric, higher, _, value_of = FRONTIER_PROBES[kind]
+        rows.append(common | {"probe": f"{kind}:{corpus}", "metric": metric, "higher_is_better": higher,
+                              "value": float(value_of(entry)),
+                              "cache_bytes_per_token": _bytes(entry, path, kind)})  # fmt: skip
     return rows
 
 
@@ -622,11 +614,7 @@ def summarize_frontier(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike 
     rows = [row for path in jsons for row in _frontier_rows(path, json.loads(Path(path).read_text()))]
     if not rows:
         raise ValueError("summarize_frontier got no scores with a measured cache")
-    df = pd.DataFrame(rows)
-    for column in COLUMNS["kv_frontier"]:
-        if column not in df.columns:
-            df[column] = None
-    df = _as_int(df)
+    df = _as_int(pd.DataFrame(rows).reindex(columns=COLUMNS["kv_frontier"]))
     base = (df["attention"] == "vanilla") | ((df["source"] == "projected") & (df["family"] == "vanilla"))
     keys = ["probe", "reference"]
     df["rel_to_base"], df["base_seed"] = relative(df, "value", base, keys, keys)
@@ -635,4 +623,3 @@ def summarize_frontier(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike 
     df = df.reset_index(drop=True)
     _write_csv(df, out_csv)
     return df
-
