@@ -37,11 +37,12 @@ Sections, in order (each line names its section; ``elapsed_s`` is the section's 
   (torch.cuda.max_memory_allocated) and the host's peak RSS over the capture, against the bytes
   of the captured tensors.
 - ``pretrain``: dimattn.training.pretrain, the pretrain rule's loop (bf16 autocast, torch.compile,
-  checkpoints, the save_pretrained export), on the default config's recall corpus (generated
-  here: dimattn.recall), vanilla and DAR at w = 4, d_down = 4 (vanilla alone with --small); then the exported directory is
-  loaded and scored through its KV cache (dimattn.recall.score_recall, as the recall rule
-  does). A check passes when the validation loss fell to half the first step's loss, recall is
-  at least twice chance and the compiled model traced whole. steps/s, wall time, graph breaks.
+  checkpoints, the save_pretrained export), on config.yaml's recall corpus and scale (the corpus
+  generated here: dimattn.recall), vanilla and DAR at w = 4, d_down = 4 (vanilla alone with
+  --small); then the exported directory is loaded and scored through its KV cache
+  (dimattn.recall.score_recall, as the recall rule does). A check passes when the validation
+  loss fell to half the first step's loss, recall is at least twice chance and the compiled
+  model traced whole. steps/s, wall time, graph breaks.
 - ``summary``: every failed check by name; the exit status is 1 when any failed.
 """
 
@@ -365,11 +366,9 @@ def capture_layer(device, small):
 
 # --- the pretrain rule's loop, end to end -------------------------------------------------------
 
-# The default config's recall dataset and recall scale (config.yaml: datasets.recall, scales.recall).
-RECALL = dict(seq_len=64, n_pairs=8, n_keys=16, n_values=16, n_filler=16, min_query_pos=16, fused_pairs=True,
-              answer_loss=True, n_validation=256, n_test=512, seed=0)
-# full: the scale's 1,200 steps (DAR at d_down = 4 reaches about 0.83 there on CPU); small: the
-# vanilla run alone, long enough to learn (the CPU test's run)
+# full: the default config's recall scale as it trains (1,200 steps; DAR at d_down = 4 reaches
+# about 0.83 there on CPU); small: the vanilla run alone on fewer examples, long enough to learn
+# (the CPU test's run)
 PRETRAIN = {"full": dict(n_train=40000, max_steps=1200, variants=("vanilla", "dar")),
             "small": dict(n_train=2000, max_steps=240, variants=("vanilla",))}
 
@@ -377,20 +376,27 @@ PRETRAIN = {"full": dict(n_train=40000, max_steps=1200, variants=("vanilla", "da
 def pretrain_run(device, small):
     import tempfile
 
+    import pandas as pd
+    import yaml
+
     from dimattn.evaluation import load_model
     from dimattn.recall import RecallSettings, score_recall, write_recall_corpus
     from dimattn.training import pretrain
 
     size = PRETRAIN["small" if small else "full"]
     cuda = device.type == "cuda"
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())  # datasets.recall, scales.recall
+    scale = config["pretraining"]["scales"]["recall"]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        write_recall_corpus(RecallSettings(**RECALL, n_train=size["n_train"]), root / "recall")
+        write_recall_corpus(RecallSettings.from_spec(config["datasets"]["recall"] | {"n_train": size["n_train"]}),
+                            root / "recall")  # fmt: skip
         tokens = root / "recall" / "tokens"
-        cfg = TrainConfig(seq_len=64, batch_size=32, max_steps=size["max_steps"], lr=3e-3, min_lr=3e-4,
-                          warmup_frac=0.05, eval_interval=size["max_steps"] // 6, eval_batches=2,
-                          checkpoint_interval=size["max_steps"] // 3, precision="auto", compile=cuda)
-        arch = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2)
+        steps = size["max_steps"]
+        cfg = TrainConfig.from_dict(scale["training"] | dict(max_steps=steps, eval_interval=steps // 6,
+                                                             checkpoint_interval=steps // 3, precision="auto",
+                                                             compile=cuda))  # fmt: skip
+        arch = scale["architecture"]
         variants = {"vanilla": dict(attention="vanilla"), "dar": dict(attention="dar", window=4, d_down=4)}
         for variant in size["variants"]:
             extra = variants[variant]
@@ -401,15 +407,15 @@ def pretrain_run(device, small):
                            device=str(device))
             seconds = time.perf_counter() - start
             graph_breaks = _graph_breaks() - breaks
-            rows = [row.split(",") for row in (out / "metrics.csv").read_text().splitlines()[1:]]
-            first = float(rows[0][3])  # the first step's training loss: untrained
-            val = [float(row[4]) for row in rows if row[4]]
+            metrics = pd.read_csv(out / "metrics.csv")
+            first = float(metrics["train_loss"].iloc[0])  # the first step's: untrained
+            val = metrics["val_loss"].dropna().tolist()
             recall = score_recall(load_model(out, str(device)), tokens / "test.bin", 64, through_cache=True)
             passed = val[-1] <= first / 2 and recall["accuracy"] >= 2 * recall["chance"] and not graph_breaks
             if not passed:
                 failures.append(f"pretrain_{variant}")
             emit({"name": "pretrain", "section": "pretrain", "variant": variant, "passed": passed,
-                  "steps": cfg.max_steps, "seconds": round(seconds, 2), "steps_per_s": round(cfg.max_steps / seconds, 1),
+                  "steps": steps, "seconds": round(seconds, 2), "steps_per_s": round(steps / seconds, 1),
                   "compiled": cfg.compile, "graph_breaks": graph_breaks, "train_loss_first": round(first, 4),
                   "val_loss_last": round(val[-1], 4), "recall_accuracy": recall["accuracy"],
                   "chance": recall["chance"], "model": {**arch, **extra}, "device": _device_name(device)})
