@@ -132,7 +132,9 @@ rule score_projected:
         mem_mb=score_resource("score_projected", "mem_mb"),
         gpu=gpu_count(),
     params:
-        downstream=PLAN.downstream,
+        # only what this job reads: Snakemake reruns a job whose params change, so the whole
+        # downstream mapping here made one more kv entry or objective rerun every scoring job
+        scoring={k: PLAN.downstream[k] for k in ("max_tokens", "limit", "metadata")},
         tasks=lambda wc: (
             [] if PLAN.generative_probe(wc.model) else PLAN.downstream["tasks"]
         ),

@@ -4,6 +4,7 @@ config through the whole DAG in a scratch working directory."""
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -321,6 +322,20 @@ def test_rerun_is_a_no_op(smoke):
     out = snakemake("-n", "--cores", "2", "--configfile", "configs/smoke.yaml", "--replace-workflow-config", cwd=smoke, timeout=120)
     assert out.returncode == 0
     assert "Nothing to be done" in out.stdout + out.stderr, (out.stdout + out.stderr)[-2000:]
+
+
+def test_another_downstream_objective_reruns_no_scoring_job(smoke, tmp_path):
+    """Snakemake reruns a job whose params changed: a scoring job's params are what it reads,
+    so one more downstream objective adds its own jobs and leaves the scored KL models alone
+    (they all reran when the job carried the whole dimpo.downstream mapping)."""
+    overlay = tmp_path / "pca_downstream.yaml"
+    overlay.write_text("dimpo:\n  downstream:\n    objectives: [kl, pca]\n")
+    out = snakemake("-n", "--cores", "2", "--configfile", "configs/smoke.yaml", str(overlay),
+                    "--replace-workflow-config", cwd=smoke, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    scheduled = re.findall(r"rule score_projected:\n\s+input: .*\n\s+output: (\S+)", text)
+    assert scheduled and all("/pca/" in path for path in scheduled), scheduled
 
 
 def test_report_collects_every_table_and_figure(smoke, tmp_path):

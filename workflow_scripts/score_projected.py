@@ -14,7 +14,7 @@ with logged(snakemake):
               "num_projected": int(wc.num_projected),
               "n_layers": config.dimattn_fit.get("n_layers"), "scale": config.scale, "kv": wc.kv,
               **kv_fields(config.kv), "seed": int(wc.seed)}
-    ds = p.downstream
+    ds = p.scoring
     score_projected(model_dir=model_dir, fields=fields, tokens=dict(zip(p.corpora, map(Path, snakemake.input.tokens))),
                     recall=dict(zip(p.recall_corpora, map(Path, snakemake.input.recall))),
                     suite=dict(zip(p.suite_corpora, map(Path, snakemake.input.suite))), seq_len=p.seq_len,
