@@ -281,7 +281,8 @@ class Plan:
     def dimpo_studies(self) -> tuple[str, ...]:
         """The studies fitted (reporting.outputs.Asked.dimpo), and "downstream" where projected
         models are scored, "long_context" and "kv" where that includes a long-context probe and
-        KV compression on it: none without DimPO models."""
+        KV compression on it, "suite" where a model is scored on the long-context suite: none
+        without DimPO models."""
         if not self.dimpo_enabled:
             return ()
         studies = tuple(dict.fromkeys(f.study for f in self.dimpo_fits))
@@ -292,8 +293,9 @@ class Plan:
         ruler = any(t["name"] in RULER_TASKS for t in self.downstream["tasks"])
         long = [m for m in self.dimpo_models if self.generative_probe(m) or (ruler and self.dimpo_probe(m) == "hub")]
         kv = any(p.kv != NO_KV for m in long for p in self.projected(m))
+        suite = any(self.dimpo_probe(m) == "longctx" for m in long)  # the needle heat map of projections
         return (studies + ("downstream",) + (("long_context",) if long else ()) + (("kv",) if kv else ())
-                + (("latency",) if self.latency_models else ()))
+                + (("suite",) if suite else ()) + (("latency",) if self.latency_models else ()))
 
     @property
     def downstream(self) -> dict:

@@ -163,6 +163,7 @@ rule summarize_downstream:
         downstream_files(),
     output:
         paths.summary("dimpo_downstream"),
+        needle=paths.summary("dimpo_needle"),
     log:
         paths.log("report", "summarize_downstream"),
     benchmark:

@@ -343,6 +343,30 @@ def write_longctx_jsons(root: Path) -> list[Path]:
     return out[::-1]
 
 
+# suite averages (%) per (objective, l): the objectives lie furthest apart at l = 2 (20 points)
+PROJECTED_AVERAGE = {("base", 0): 70.0, ("kl", 1): 60.0, ("dimpo", 1): 58.0, ("kl", 2): 50.0, ("dimpo", 2): 30.0}
+# niah_multikey per needle-depth bin at 128 tokens (seed s adds s); 256 tokens: 10 less
+PROJECTED_NEEDLE = {("base", 0): [100.0, 80.0], ("kl", 1): [99.0, 99.0], ("dimpo", 1): [99.0, 99.0],
+                    ("kl", 2): [70.0, 50.0], ("dimpo", 2): [40.0, 20.0]}  # fmt: skip
+
+
+def write_projected_suite_jsons(root):
+    """score_projected records of a suite model (2 layers): base, KL and DimPO at l = 1, 2, fit seeds 0, 1."""
+    out = []
+    for (objective, l), average in PROJECTED_AVERAGE.items():
+        for seed in (0, 1) if objective != "base" else (0,):
+            record = _record("long", objective, l, "none", seed)
+            for seq_len, shift in ((128, 0.0), (256, -10.0)):
+                bins = [{"depth_lo": lo, "depth_hi": hi, "score": s + seed + shift, "n": 5}
+                        for (lo, hi), s in zip([(0.0, 0.5), (0.5, 1.0)], PROJECTED_NEEDLE[objective, l])]
+                record.setdefault("longctx", {})[f"suite{seq_len}"] = {
+                    "split": "test", "seq_len": seq_len, "average": average + shift,
+                    "subtasks": {"niah_multikey": {"score": average + shift, "exact": 0.0, "n": 10}},
+                    "needle": {"niah_multikey": bins}}
+            out.append(write_json(root / "suite" / f"{objective}-l{l}-s{seed}.json", record))
+    return out
+
+
 def write_latency_json(root: Path) -> Path:
     """dimattn.latency rows of one model: fixed times, the cache of DimPO at d' = d / 4."""
     rows = []

@@ -9,7 +9,7 @@ from matplotlib.collections import QuadMesh
 from dimattn.reporting import long_context, summaries
 from reporting_fixtures import NEEDLE_SCORES as SCORES
 from reporting_fixtures import longctx_record as _record
-from reporting_fixtures import write_longctx_jsons
+from reporting_fixtures import write_longctx_jsons, write_projected_suite_jsons
 
 @pytest.fixture
 def drawn(tmp_path, monkeypatch):
@@ -75,3 +75,56 @@ def test_the_figures_target_redraws_the_heat_map_from_the_summary_alone(tmp_path
     assert "figures/longctx_needle.png" not in outputs.wanted([], False, ())
     assert "longctx_needle" not in outputs.wanted_summaries([], False, ())
     assert outputs.wanted_summaries([], False, (), longctx=True) == ["longctx", "longctx_needle"]
+
+
+# ----------------------------------------------------------------------------- projected models
+
+@pytest.fixture
+def projected(tmp_path):
+    jsons = write_projected_suite_jsons(tmp_path)
+    summary = tmp_path / "summary"
+    summaries.summarize_downstream(jsons, summary / "dimpo_downstream.csv", needle_csv=summary / "dimpo_needle.csv")
+    return summary
+
+
+def test_the_needle_summary_of_projected_models_has_a_row_per_record_length_and_bin(projected):
+    needle = summaries.read(projected / "dimpo_needle.csv", "dimpo_needle")
+    assert len(needle) == 9 * 2 * 2  # 9 records, 2 lengths, 2 bins
+    row = needle[(needle["objective"] == "dimpo") & (needle["num_projected"] == 2) & (needle["seed"] == 1)
+                 & (needle["seq_len"] == 256) & (needle["depth_lo"] == 0.0)].iloc[0]
+    assert (row["score"], row["n"], row["corpus"], row["subtask"], row["study"]) == (31.0, 5, "suite256", "niah_multikey", "table1")
+
+
+def test_a_record_off_the_suite_leaves_the_needle_summary_empty(tmp_path):
+    from reporting_fixtures import write_downstream_jsons
+
+    summaries.summarize_downstream(write_downstream_jsons(tmp_path), tmp_path / "d.csv", needle_csv=tmp_path / "n.csv")
+    assert summaries.read(tmp_path / "n.csv", "dimpo_needle").empty
+
+
+def test_projections_are_drawn_at_the_separating_l_beside_the_base_seeds_averaged(projected, tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    frames = {name: summaries.read(projected / f"{name}.csv", name) for name in ("dimpo_needle", "dimpo_downstream")}
+    panels = long_context.projected_panels(frames["dimpo_needle"], frames["dimpo_downstream"])
+    assert set(panels["num_projected"]) == {0, 2}  # l = 1 (gap 2 points) is not drawn
+    saved, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), savefig(fig, *a, **k)))
+    long_context.dimpo_needle_figure(frames, tmp_path, tmp_path / "dimpo_needle.png")
+    axes = [ax for ax in saved[0].axes if ax.get_title()]
+    titles = [ax.get_title().split("\n")[0] for ax in axes]
+    assert titles[0] == "long: Base (l = 0): niah_multikey"  # the base first
+    assert sorted(titles[1:]) == ["long: DimPO, l = 2 of 2: niah_multikey", "long: KL, l = 2 of 2: niah_multikey"]
+    kl = axes[titles.index("long: KL, l = 2 of 2: niah_multikey")]
+    (mesh,) = [c for c in kl.collections if isinstance(c, QuadMesh)]
+    # rows: depth bins; columns: 128, 256 tokens; each the mean of seeds 0 and 1 (+0, +1)
+    assert mesh.get_array().reshape(2, 2).tolist() == [[70.5, 60.5], [50.5, 40.5]]
+
+
+def test_the_figures_target_draws_the_projections_heat_map_from_the_summaries(projected, tmp_path):
+    from dimattn.reporting import outputs
+
+    asked = outputs.runs_in(projected)
+    assert "suite" in asked.dimpo
+    assert "figures/dimpo_needle.png" in outputs.wanted([], False, asked.dimpo)
+    assert "figures/dimpo_needle.png" not in outputs.wanted([], False, ("table1", "downstream"))

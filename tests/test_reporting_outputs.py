@@ -17,6 +17,7 @@ from reporting_fixtures import (
     write_latency_json,
     write_long_context_jsons,
     write_longctx_jsons,
+    write_projected_suite_jsons,
     write_summaries,
 )
 
@@ -43,7 +44,7 @@ def wanted(runs, lm_eval=False, dimpo=()):
     return set(outputs.wanted(runs, lm_eval, dimpo))
 
 
-ALL_STUDIES = ("table1", *STUDIES, "downstream", "long_context", "kv", "latency")
+ALL_STUDIES = ("table1", *STUDIES, "downstream", "long_context", "kv", "latency", "suite")
 
 
 VANILLA = run("vanilla")
@@ -131,14 +132,16 @@ def test_recall_lm_eval_and_dimpo_outputs():
     assert wanted([], dimpo=["table1", "quirks"]) == dimpo | {"tables/dimpo_quirks.tex"}
     assert wanted([], dimpo=["table1", "table6"]) == dimpo | {"tables/dimpo_ablation.tex"}
     assert wanted([], dimpo=["table1", "figure4c"]) == dimpo | {"figures/dimpo_pairs.png"}
-    assert wanted([], dimpo=ALL_STUDIES[:-4]) == wanted([], dimpo=["table1", "quirks", "table6", "figure4b"])
+    assert wanted([], dimpo=ALL_STUDIES[:-5]) == wanted([], dimpo=["table1", "quirks", "table6", "figure4b"])
     assert wanted([], dimpo=["table1", "downstream"]) == dimpo | {"tables/dimpo_downstream.tex",
                                                                  "figures/dimpo_downstream.png"}
     # Tables 2-3 with a long-context probe (recall or RULER), Table 5 with KV compression on it
     assert wanted([], dimpo=["table1", "downstream", "long_context"]) - wanted([], dimpo=["table1", "downstream"]) == {
         "tables/dimpo_ruler.tex"}
-    assert wanted([], dimpo=ALL_STUDIES[:-1]) - wanted([], dimpo=ALL_STUDIES[:-2]) == {"tables/dimpo_kv.tex"}
-    assert wanted([], dimpo=ALL_STUDIES) - wanted([], dimpo=ALL_STUDIES[:-1]) == {"tables/dimpo_latency.tex"}
+    assert wanted([], dimpo=ALL_STUDIES[:-2]) - wanted([], dimpo=ALL_STUDIES[:-3]) == {"tables/dimpo_kv.tex"}
+    assert wanted([], dimpo=ALL_STUDIES[:-1]) - wanted([], dimpo=ALL_STUDIES[:-2]) == {"tables/dimpo_latency.tex"}
+    # the projections' needle heat map where a model is scored on the long-context suite
+    assert wanted([], dimpo=ALL_STUDIES) - wanted([], dimpo=ALL_STUDIES[:-1]) == {"figures/dimpo_needle.png"}
 
 
 def test_replicates_count_once():
@@ -181,8 +184,9 @@ def full(tmp_path_factory):
     root = tmp_path_factory.mktemp("full")
     summary = write_full_summaries(root)
     write_fidelity_summary(root, summary)
-    jsons = write_downstream_jsons(root) + write_long_context_jsons(root)
-    summaries.summarize_downstream(jsons, summary_path(summary, "dimpo_downstream"))
+    jsons = write_downstream_jsons(root) + write_long_context_jsons(root) + write_projected_suite_jsons(root)
+    summaries.summarize_downstream(jsons, summary_path(summary, "dimpo_downstream"),
+                                   needle_csv=summary_path(summary, "dimpo_needle"))
     summaries.summarize_latency([write_latency_json(root)], summary_path(summary, "dimpo_latency"))
     suite = write_longctx_jsons(root)
     summaries.summarize_longctx(suite, summary_path(summary, "longctx"))

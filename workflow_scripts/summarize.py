@@ -17,5 +17,7 @@ with logged(snakemake):
         "summarize_latency": summaries.summarize_latency,
         "summarize_frontier": summaries.summarize_frontier,
     }[snakemake.rule]
-    # params are keyword arguments: datasets (trajectory)
-    summarize([Path(p) for p in snakemake.input], Path(snakemake.output[0]), **dict(snakemake.params.items()))
+    # params are keyword arguments: datasets (trajectory); a named output "needle" the second file
+    # of summarize_downstream (its needle-depth bins)
+    extra = {"needle_csv": Path(snakemake.output.needle)} if "needle" in snakemake.output.keys() else {}
+    summarize([Path(p) for p in snakemake.input], Path(snakemake.output[0]), **dict(snakemake.params.items()), **extra)

@@ -253,7 +253,7 @@ _PAPER_METHODS = {("base", "", ""): BASE_OBJECTIVE, ("kl", "", ""): "kl", ("dimp
                   ("dimpo", "0", "0"): "dimpo_list"}  # fmt: skip
 
 
-def _objective_label(objective: str) -> str:
+def objective_label(objective: str) -> str:
     return "Base (l = 0)" if objective == BASE_OBJECTIVE else OBJECTIVE_LABELS.get(objective, objective)
 
 
@@ -291,7 +291,7 @@ def subtask_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pa
         lookups.append((table, paper_columns))
     objectives = sorted({o for table, _ in lookups for o, _ in table},
                         key=lambda o: (o != BASE_OBJECTIVE, objective_rank(o)))  # fmt: skip
-    body = [{"label": _objective_label(o), "space": False,
+    body = [{"label": objective_label(o), "space": False,
              "cells": [cell(table[(o, c)], lambda v: fmt(v, 1)) if (o, c) in table else MISSING
                        for table, columns in lookups for c in columns]}
             for o in objectives]  # fmt: skip
@@ -341,7 +341,7 @@ def kv_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -
         base = points[(points["model"] == model) & (points["probe"] == probe) & (points["objective"] == BASE_OBJECTIVE)]
         for i, (l, line) in enumerate(pd.concat([base, part]).groupby("num_projected", sort=True)):
             by_kind = {kinds[r["kv"]]: spread(r, "value") for _, r in line.iterrows()}
-            label = f"ours: {model}, {probe}, {_objective_label(objective)}, l = {int(l)}"
+            label = f"ours: {model}, {probe}, {objective_label(objective)}, l = {int(l)}"
             body.append({"label": Tex(latex.escape(label)), "space": i == 0,
                          "cells": [cell(by_kind[(k, v)], lambda x: fmt(x, 1)) if (k, v) in by_kind else MISSING
                                    for (k, v, _), _ in slots]})  # fmt: skip

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..sweeps import BASE_OBJECTIVE, MAIN_STUDY, NO_KV
 from . import plots
 from .latex import pct
 
@@ -36,7 +37,7 @@ def needle_grid(rows: pd.DataFrame) -> pd.DataFrame:
     return grid.reindex(labels[order].tolist())
 
 
-def figure(needle: pd.DataFrame, path: Path, panel: str = "run") -> Path:
+def figure(needle: pd.DataFrame, path: Path, panel: str = "run", title: str = "") -> Path:
     """The heat map: a panel per value of ``panel`` (columns) and subtask (rows), depth against
     context length."""
     if needle.empty:
@@ -57,10 +58,43 @@ def figure(needle: pd.DataFrame, path: Path, panel: str = "run") -> Path:
                 ax.set_title(f"{name}: {task}\n(>= {int(rows['n'].min())} examples a cell)", fontsize="small")
                 ax.set_xlabel("context length (tokens)")
                 ax.set_ylabel("needle depth (share of the context)")
-        fig.suptitle("Needle in a haystack: score by needle depth and context length")
+        fig.suptitle(title or "Needle in a haystack: score by needle depth and context length")
     return Path(path)
 
 
 def needle_figure(frames: dict, reference_dir: Path, path: Path) -> Path:
     """The registry's renderer (dimattn.reporting.outputs): the heat map of the runs on the suite."""
     return figure(frames["longctx_needle"], path)
+
+
+def projected_panels(needle: pd.DataFrame, downstream: pd.DataFrame) -> pd.DataFrame:
+    """The dimpo_needle rows the projections' heat map draws, with a ``panel`` label: per suite
+    model, its base model (l = 0) and each objective at the model's separating l (the l of its
+    Tables 2-3 at the shortest suite length: dimattn.reporting.dimpo_downstream.separating_l),
+    Table 1's projections without KV compression; the cells average the fit seeds."""
+    from . import dimpo_downstream as dd
+
+    needle = needle[(needle["study"] == MAIN_STUDY) & (needle["kv"] == NO_KV)]
+    points = dd.probe_points(dd.long_context(dd.main_study(downstream)))
+    parts = []
+    for model, rows in needle.groupby("model", sort=False):
+        corpus = rows.sort_values("seq_len")["corpus"].iloc[0]
+        l_star = dd.separating_l(points[(points["model"] == model) & (points["probe"] == f"suite {corpus}")])
+        if l_star is None:
+            raise ValueError(f"dimpo model {model!r}: no projected model on the suite to draw beside its base")
+        base = rows["objective"] == BASE_OBJECTIVE
+        shown = rows[base | (rows["num_projected"] == l_star)]
+        label = shown["objective"].map(lambda o: dd.objective_label(o) if o == BASE_OBJECTIVE
+                                       else f"{dd.objective_label(o)}, l = {l_star} of {int(rows['n_layers'].iloc[0])}")
+        parts.append(shown.assign(panel=f"{model}: " + label,
+                                  attention=shown["objective"].map(lambda o: "vanilla" if o == BASE_OBJECTIVE else o)))
+    return pd.concat(parts, ignore_index=True) if parts else needle.assign(panel=[], attention=[])
+
+
+def dimpo_needle_figure(frames: dict, reference_dir: Path, path: Path) -> Path:
+    """The registry's renderer: the heat map of each suite model's projections beside its base
+    (issue 18 item 4), at the depth where the objectives lie furthest apart."""
+    panels = projected_panels(frames["dimpo_needle"], frames["dimpo_downstream"])
+    return figure(panels, path, panel="panel",
+                  title="Needle in a haystack with projected layers: score by needle depth and context length "
+                        "(mean over fit seeds)")

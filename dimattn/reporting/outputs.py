@@ -95,6 +95,7 @@ SUMMARIES: dict[str, Callable[[Asked], bool]] = {
     "lm_eval": lambda asked: asked.lm_eval,
     "dimpo_fidelity": lambda asked: bool(asked.dimpo),
     "dimpo_downstream": _study("downstream"),
+    "dimpo_needle": _study("downstream"),  # summarize_downstream's second file, empty without the suite
     "dimpo_latency": _study("latency"),
     "longctx": lambda asked: asked.longctx,
     "longctx_needle": lambda asked: asked.longctx,
@@ -174,6 +175,9 @@ OUTPUTS: dict[str, Output] = {
         # Seed 003's RULER in our mould (dimattn.longctx): the needle heat map
         _output("Long-context", paths.figure("longctx_needle"), "long_context:needle_figure",
                 lambda asked: asked.longctx, ["longctx_needle"]),
+        # ... and of the projected models on it, at the depth where the objectives separate
+        _output("DimPO", paths.figure("dimpo_needle"), "long_context:dimpo_needle_figure", _study("suite"),
+                ["dimpo_needle", "dimpo_downstream"]),
         # All three seeds in one picture: quality against the measured KV-cache bytes per token
         _output("Frontier", paths.figure("kv_frontier"), "frontier:frontier_figure", SUMMARIES["kv_frontier"],
                 ["kv_frontier"]),
@@ -309,6 +313,8 @@ def runs_in(summary_dir: os.PathLike | str) -> Asked:
         scores = long_context(summaries.read(_summary_path(summary_dir, "dimpo_downstream"), "dimpo_downstream"))
         studies += ("downstream",) + (("long_context",) if len(scores) else ())
         studies += ("kv",) if (scores["kv"] != "none").any() else ()
+        if "dimpo_needle" in on_disk and len(summaries.read(_summary_path(summary_dir, "dimpo_needle"), "dimpo_needle")):
+            studies += ("suite",)
     return Asked(runs, "lm_eval" in on_disk, studies, bool(on_disk & {"longctx", "longctx_needle"}))
 
 

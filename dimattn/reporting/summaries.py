@@ -58,6 +58,10 @@ COLUMNS = {
     # study: Table 1's (MAIN_STUDY: Figures 2-3, Tables 2-5) or one of dimpo.downstream.studies
     # (table6: Table 6's RULER column); a model scored for two has rows in both.
     "dimpo_downstream": ["study"] + DOWNSTREAM_FIELDS + ["task", "metric", "value", "stderr"],
+    # the needle heat map of projected models on the suite: their records' needle-depth bins, as
+    # longctx_needle's of the runs
+    "dimpo_needle": ["study"] + DOWNSTREAM_FIELDS + ["corpus", "seq_len", "subtask", "depth_lo", "depth_hi", "score",
+                                                     "n"],
     # dimattn.latency.measure: medians over paired repeats, ratios to the base model's
     "dimpo_latency": ["model", "d_prime", "setting", "num_projected", "kv", "device", "dtype", "prompt", "new",
                       "repeats", "prefill_s", "decode_s", "tokens_per_s", "cache_bytes", "peak_bytes", "peak_kind",
@@ -492,14 +496,16 @@ def suite_metrics(suite: dict) -> dict[str, float]:
 
 
 def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str,
-                         studies: dict[str, list[str]] | None = None) -> pd.DataFrame:  # fmt: skip
+                         studies: dict[str, list[str]] | None = None,
+                         needle_csv: os.PathLike | str | None = None) -> pd.DataFrame:  # fmt: skip
     """Projected models' scores (dimattn.dimpo_scoring.score_projected), long: one row per (study,
     model, objective, setting, d', l, kv, task, metric); held-out perplexity as task
     "perplexity:<corpus>", metric "ppl"; the recall probe as task "recall:<corpus>", metrics of
     :func:`recall_metrics`; the long-context suite as task "longctx:<corpus>", metrics of
     :func:`suite_metrics`. ``studies``: {json path: [study, ...]} (rules/common.smk
-    downstream_studies); a path it does not list is Table 1's."""
-    rows = []
+    downstream_studies); a path it does not list is Table 1's. ``needle_csv``: where to write the
+    suite records' needle-depth bins (COLUMNS["dimpo_needle"], empty without suite records)."""
+    rows, needle_rows = [], []
     for path in jsons:
         record = json.loads(Path(path).read_text())
         missing = [k for k in DOWNSTREAM_FIELDS if k not in record and k != "share"]
@@ -516,8 +522,12 @@ def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLik
             scores += [{"task": f"longctx:{corpus}", "metric": metric, "value": value, "stderr": None}
                        for metric, value in suite_metrics(suite).items()]  # fmt: skip
         scores += _lm_eval_rows(record["results"])
+        needles = [{"corpus": corpus, "seq_len": suite["seq_len"], "subtask": task} | row
+                   for corpus, suite in record.get("longctx", {}).items()
+                   for task, bins in suite.get("needle", {}).items() for row in bins]  # fmt: skip
         for study in (studies or {}).get(str(path), [MAIN_STUDY]):
             rows += [{"study": study} | fields | score for score in scores]
+            needle_rows += [{"study": study} | fields | row for row in needles]
     if not rows:
         raise ValueError("summarize_downstream found no scores in its inputs")
     df = _as_int(pd.DataFrame(rows)).sort_values(
@@ -526,6 +536,8 @@ def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLik
     )
     df = df[COLUMNS["dimpo_downstream"]].reset_index(drop=True)
     _write_csv(df, out_csv)
+    if needle_csv is not None:
+        _write_csv(_as_int(pd.DataFrame(needle_rows, columns=COLUMNS["dimpo_needle"])), needle_csv)
     return df
 
 
