@@ -149,6 +149,21 @@ def capture_resource(key):
     return scaled(lambda wc: FIRST_ATTEMPTS["capture"][wc.model][key], key)
 
 
+def fit_hparams(wildcards):
+    """dimpo.hparams as one fit reads them (dimattn.projections.resolve_settings): its own
+    objective's per_objective entry alone, its seed and its ablation setting. Snakemake reruns a
+    job whose params change, so a change to one objective's hparams reruns that objective's fits
+    only."""
+    hparams = dict(PLAN.dimpo["hparams"])
+    per = hparams.pop("per_objective", None) or {}
+    if wildcards.objective in per:
+        hparams["per_objective"] = {wildcards.objective: per[wildcards.objective]}
+    return hparams | {
+        "seed": int(wildcards.seed),
+        "setting": PLAN.dimpo_settings[wildcards.setting],
+    }
+
+
 def fit_resource(key):
     """mem_mb or runtime of a fit: dimpo.resources or the estimate from the model's shape, the
     captures' tokens and d' (dimattn.resources.fit), whichever is larger."""

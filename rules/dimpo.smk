@@ -49,7 +49,13 @@ rule capture_qkv:
     params:
         source=dimpo_model_source,
         capture=lambda wc: PLAN.dimpo_capture(wc.model),
-        hparams=PLAN.dimpo["hparams"],
+        # what a capture reads of dimpo.hparams (capture_dtype, special_tokens and the preset that
+        # sets them): with the whole mapping, tuning one objective's lr recaptured every model
+        hparams={
+            k: v
+            for k, v in PLAN.dimpo["hparams"].items()
+            if k in ("preset", "capture_dtype", "special_tokens")
+        },
         device=DEVICE,
     script:
         "../workflow_scripts/capture_qkv.py"
@@ -77,8 +83,7 @@ rule fit_projection:
         cpus_per_task=lambda wc, threads: threads,  # dimpo.resources.threads, over any default
         gpu=gpu_count(),
     params:
-        hparams=lambda wc: PLAN.dimpo["hparams"]
-        | {"seed": int(wc.seed), "setting": PLAN.dimpo_settings[wc.setting]},
+        hparams=fit_hparams,
         device=DEVICE,
     script:
         "../workflow_scripts/fit_projection.py"

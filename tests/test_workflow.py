@@ -338,6 +338,20 @@ def test_another_downstream_objective_reruns_no_scoring_job(smoke, tmp_path):
     assert scheduled and all("/pca/" in path for path in scheduled), scheduled
 
 
+def test_one_objectives_hparams_refit_that_objective_alone(smoke, tmp_path):
+    """KL's learning rate changed: its fits (and what reads them) are redone; the captures and
+    every other objective's fits are not (each job's params were the whole dimpo.hparams)."""
+    overlay = tmp_path / "kl_lr.yaml"
+    overlay.write_text("dimpo:\n  hparams:\n    per_objective:\n      kl: {lr: 2.0e-3}\n")
+    out = snakemake("-n", "--cores", "2", "--configfile", "configs/smoke.yaml", str(overlay),
+                    "--replace-workflow-config", cwd=smoke, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "rule capture_qkv:" not in text
+    refit = re.findall(r"rule fit_projection:\n\s+input: .*\n\s+output: (\S+)", text)
+    assert refit and all("/kl/" in path for path in refit), refit
+
+
 def test_report_collects_every_table_and_figure(smoke, tmp_path):
     """snakemake --report: one self-contained HTML page with every declared table and figure."""
     report = tmp_path / "report.html"
