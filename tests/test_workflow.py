@@ -324,16 +324,22 @@ def test_rerun_is_a_no_op(smoke):
     assert "Nothing to be done" in out.stdout + out.stderr, (out.stdout + out.stderr)[-2000:]
 
 
+def dry_run_over_smoke(smoke, tmp_path, overlay: str) -> str:
+    """What a dry run of the finished smoke workdir schedules with ``overlay`` (YAML) merged over its config."""
+    path = tmp_path / "overlay.yaml"
+    path.write_text(overlay)
+    out = snakemake("-n", "--cores", "2", "--configfile", "configs/smoke.yaml", str(path), "--replace-workflow-config",
+                    cwd=smoke, timeout=120)  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    return text
+
+
 def test_another_downstream_objective_reruns_no_scoring_job(smoke, tmp_path):
     """Snakemake reruns a job whose params changed: a scoring job's params are what it reads,
     so one more downstream objective adds its own jobs and leaves the scored KL models alone
     (they all reran when the job carried the whole dimpo.downstream mapping)."""
-    overlay = tmp_path / "pca_downstream.yaml"
-    overlay.write_text("dimpo:\n  downstream:\n    objectives: [kl, pca]\n")
-    out = snakemake("-n", "--cores", "2", "--configfile", "configs/smoke.yaml", str(overlay),
-                    "--replace-workflow-config", cwd=smoke, timeout=120)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-3000:]
+    text = dry_run_over_smoke(smoke, tmp_path, "dimpo:\n  downstream:\n    objectives: [kl, pca]\n")
     scheduled = re.findall(r"rule score_projected:\n\s+input: .*\n\s+output: (\S+)", text)
     assert scheduled and all("/pca/" in path for path in scheduled), scheduled
 
@@ -341,12 +347,7 @@ def test_another_downstream_objective_reruns_no_scoring_job(smoke, tmp_path):
 def test_one_objectives_hparams_refit_that_objective_alone(smoke, tmp_path):
     """KL's learning rate changed: its fits (and what reads them) are redone; the captures and
     every other objective's fits are not (each job's params were the whole dimpo.hparams)."""
-    overlay = tmp_path / "kl_lr.yaml"
-    overlay.write_text("dimpo:\n  hparams:\n    per_objective:\n      kl: {lr: 2.0e-3}\n")
-    out = snakemake("-n", "--cores", "2", "--configfile", "configs/smoke.yaml", str(overlay),
-                    "--replace-workflow-config", cwd=smoke, timeout=120)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-3000:]
+    text = dry_run_over_smoke(smoke, tmp_path, "dimpo:\n  hparams:\n    per_objective:\n      kl: {lr: 2.0e-3}\n")
     assert "rule capture_qkv:" not in text
     refit = re.findall(r"rule fit_projection:\n\s+input: .*\n\s+output: (\S+)", text)
     assert refit and all("/kl/" in path for path in refit), refit
