@@ -78,6 +78,7 @@ RULER_MIN_LENGTH = 2048
 RULER_TASK = {"niah_single": "niah_single_1", "niah_multikey": "niah_multikey_1", "niah_multivalue": "niah_multivalue",
               "niah_multiquery": "niah_multiquery", "vt": "ruler_vt", "cwe": "ruler_cwe", "fwe": "ruler_fwe",
               "qa": "ruler_qa_squad"}  # fmt: skip
+SUITE_SUBTASKS = tuple(RULER_TASK)  # the suite's subtasks, in dimattn.longctx.SUBTASKS' order
 # dimpo.latency's settings where a config sets it (Appendix H's timing; see the schema)
 LATENCY_DEFAULTS = {"prompt": 1024, "new": 32, "repeats": 3}
 # Runs DimPO can project: vanilla, and DAR or uniform, whose far keys F projects too (both
@@ -643,8 +644,9 @@ def check_references(p: Plan) -> None:
             seen[name] = i
 
 
-# The suite's generator settings a model's vocabulary depends on: corpora scored together share them.
-LONGCTX_VOCABULARY = ("subtasks", "n_keys", "n_values", "n_words")
+# The suite's generator settings a model's vocabulary depends on (dimattn.longctx.vocabulary:
+# every subtask's task token is in it whatever the corpus asks): corpora scored together share them.
+LONGCTX_VOCABULARY = ("n_keys", "n_values", "n_words")
 
 
 def _check_longctx(p: Plan) -> None:
@@ -665,6 +667,13 @@ def _check_longctx(p: Plan) -> None:
                 raise ConfigError(f"datasets.{name}.{differ[0]}",
                                   f"{datasets[name].get(differ[0])!r} differs from {p.runs[run].dataset!r}'s "
                                   f"{own.get(differ[0])!r}, on which run {run!r} is trained: its vocabulary differs")
+            # a subtask the run never saw asked of it: its task token was never trained
+            unseen = [t for t in datasets[name].get("subtasks", SUITE_SUBTASKS)
+                      if t not in own.get("subtasks", SUITE_SUBTASKS)]  # fmt: skip
+            if unseen:
+                raise ConfigError(f"datasets.{name}.subtasks",
+                                  f"asks {unseen}, which run {run!r} never trains on ({p.runs[run].dataset!r} "
+                                  f"holds {own.get('subtasks', SUITE_SUBTASKS)})")
 
 
 def _check_top_k(p: Plan) -> None:

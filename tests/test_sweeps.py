@@ -308,6 +308,10 @@ BAD = {
     "suite training off its examples": (lambda c: (with_long(c), c["pretraining"]["scales"]["long"]["training"].update(
         seq_len=256)), "pretraining.scales.long.training.seq_len: 256 must equal datasets.longctx.seq_len=128"),
     "suite unknown subtask": (lambda c: (with_long(c), c["datasets"]["longctx"].update(subtasks=["passkey"])), "passkey"),
+    "suite scored on subtasks never trained": (
+        lambda c: (with_long(c), c["datasets"]["longctx"].update(subtasks=["niah_single", "niah_multikey"])),
+        "datasets.longctx_x2.subtasks: asks ['niah_multivalue', 'niah_multiquery', 'vt', 'cwe', 'fwe', 'qa'], which "
+        "run 'long-vanilla' never trains on"),
     "downstream kv both methods": (lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 64},
                                                                 "kivi": {"bits": 2}}]), "oneOf"),
 }
@@ -345,7 +349,7 @@ def test_a_long_context_run_is_scored_on_the_suite_alone():
 def test_long_context_defaults_are_the_generator_defaults():
     from dataclasses import fields
 
-    from dimattn.longctx import LongContextSettings
+    from dimattn.longctx import SUBTASKS, LongContextSettings
 
     schema = yaml.safe_load((REPO / "schemas/config.schema.yaml").read_text())
     branches = schema["properties"]["datasets"]["additionalProperties"]["allOf"]
@@ -355,6 +359,7 @@ def test_long_context_defaults_are_the_generator_defaults():
     assert defaults == {k: v for k, v in generator.items() if k in defaults}
     assert set(defaults) == set(generator) - {"seq_len"}
     assert set(sweeps.LONGCTX_VOCABULARY) <= set(generator)
+    assert sweeps.SUITE_SUBTASKS == SUBTASKS  # the planner's copy, torch- and numpy-free
 
 
 def test_the_planned_head_objectives_are_those_reading_k():
