@@ -149,6 +149,17 @@ def capture_resource(key):
     return scaled(lambda wc: FIRST_ATTEMPTS["capture"][wc.model][key], key)
 
 
+def capture_hparams():
+    """dimpo.hparams as a capture reads them (capture_dtype, special_tokens and the preset that
+    sets them): with the whole mapping as params, tuning one objective's lr recaptured every model.
+    """
+    return {
+        k: v
+        for k, v in PLAN.dimpo["hparams"].items()
+        if k in ("preset", "capture_dtype", "special_tokens")
+    }
+
+
 def fit_hparams(wildcards):
     """dimpo.hparams as one fit reads them (dimattn.projections.resolve_settings): its own
     objective's per_objective entry alone, its seed and its ablation setting. Snakemake reruns a

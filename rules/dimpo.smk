@@ -49,13 +49,7 @@ rule capture_qkv:
     params:
         source=dimpo_model_source,
         capture=lambda wc: PLAN.dimpo_capture(wc.model),
-        # what a capture reads of dimpo.hparams (capture_dtype, special_tokens and the preset that
-        # sets them): with the whole mapping, tuning one objective's lr recaptured every model
-        hparams={
-            k: v
-            for k, v in PLAN.dimpo["hparams"].items()
-            if k in ("preset", "capture_dtype", "special_tokens")
-        },
+        hparams=capture_hparams(),
         device=DEVICE,
     script:
         "../workflow_scripts/capture_qkv.py"

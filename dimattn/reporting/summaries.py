@@ -434,6 +434,11 @@ def summarize_longctx(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike |
     return df
 
 
+def needle_rows(needle: dict) -> list[dict]:
+    """A suite result's needle-depth bins (dimattn.longctx.needle_scores), a row per subtask and bin."""
+    return [{"subtask": task} | row for task, bins in needle.items() for row in bins]
+
+
 def summarize_longctx_needle(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
     """The needle heat map's data: per (run, corpus) a row per subtask (niah_single,
     niah_multikey) and needle-depth bin [depth_lo, depth_hi) (dimattn.longctx.needle_scores:
@@ -443,7 +448,7 @@ def summarize_longctx_needle(jsons: Iterable[os.PathLike | str], out_csv: os.Pat
         if "needle" not in record:
             raise ValueError(f"run {fields['run']!r} on {fields['corpus']!r}: no needle-depth scores (scored "
                              "without niah_single, or by an older dimattn.longctx)")  # fmt: skip
-        rows += [fields | {"subtask": task} | row for task, bins in record["needle"].items() for row in bins]
+        rows += [fields | row for row in needle_rows(record["needle"])]
     df = _sort_runs(_as_int(pd.DataFrame(rows, columns=COLUMNS["longctx_needle"])), ["corpus", "split"],
                     tail=["subtask", "depth_lo"])[COLUMNS["longctx_needle"]]  # fmt: skip
     _write_csv(df, out_csv)
@@ -505,7 +510,7 @@ def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLik
     :func:`suite_metrics`. ``studies``: {json path: [study, ...]} (rules/common.smk
     downstream_studies); a path it does not list is Table 1's. ``needle_csv``: where to write the
     suite records' needle-depth bins (COLUMNS["dimpo_needle"], empty without suite records)."""
-    rows, needle_rows = [], []
+    rows, needle_table = [], []
     for path in jsons:
         record = json.loads(Path(path).read_text())
         missing = [k for k in DOWNSTREAM_FIELDS if k not in record and k != "share"]
@@ -522,12 +527,12 @@ def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLik
             scores += [{"task": f"longctx:{corpus}", "metric": metric, "value": value, "stderr": None}
                        for metric, value in suite_metrics(suite).items()]  # fmt: skip
         scores += _lm_eval_rows(record["results"])
-        needles = [{"corpus": corpus, "seq_len": suite["seq_len"], "subtask": task} | row
+        needles = [{"corpus": corpus, "seq_len": suite["seq_len"]} | row
                    for corpus, suite in record.get("longctx", {}).items()
-                   for task, bins in suite.get("needle", {}).items() for row in bins]  # fmt: skip
+                   for row in needle_rows(suite.get("needle", {}))]  # fmt: skip
         for study in (studies or {}).get(str(path), [MAIN_STUDY]):
             rows += [{"study": study} | fields | score for score in scores]
-            needle_rows += [{"study": study} | fields | row for row in needles]
+            needle_table += [{"study": study} | fields | row for row in needles]
     if not rows:
         raise ValueError("summarize_downstream found no scores in its inputs")
     df = _as_int(pd.DataFrame(rows)).sort_values(
@@ -537,7 +542,7 @@ def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLik
     df = df[COLUMNS["dimpo_downstream"]].reset_index(drop=True)
     _write_csv(df, out_csv)
     if needle_csv is not None:
-        _write_csv(_as_int(pd.DataFrame(needle_rows, columns=COLUMNS["dimpo_needle"])), needle_csv)
+        _write_csv(_as_int(pd.DataFrame(needle_table, columns=COLUMNS["dimpo_needle"])), needle_csv)
     return df
 
 
