@@ -152,14 +152,19 @@ def save_atomic(tensors, path, metadata) -> None:
 
 
 class Affine(NamedTuple):
-    """F(x) = x W^T + b, W (d', d), b (d',) or None."""
+    """F(x) = x W^T + b, W (d', d), b (d',) or None; x (..., d).
+
+    Or G layers' maps at once (a lockstep fit, dimattn.projections.fit_layers): W (G, d', d),
+    b (G, d') on x (G, B, d), layer g's map on its rows x[g]."""
 
     W: torch.Tensor
     b: torch.Tensor | None = None
 
     def __call__(self, x):
-        y = x @ self.W.T
-        return y if self.b is None else y + self.b
+        y = x @ self.W.mT
+        if self.b is None:
+            return y
+        return y + (self.b if self.W.dim() == 2 else self.b.unsqueeze(-2))
 
     def query_vector(self, q):
         """u = W^T F(q): F(q).F(k) = u.k + F(q).b, and the last term is the same for every key."""
@@ -183,10 +188,11 @@ def logit_scale(kind: str, d: int, d_prime: int) -> float:
 
 def projected_logits(projection, query, keys, scale: float | None = None):
     """(B, L) F(q).F(k_j) * scale up to a per-query constant, as u.k_j with u = W^T F(q):
-    O(L d) per query. ``scale`` None: 1/sqrt(d')."""
+    O(L d) per query. ``scale`` None: 1/sqrt(d'). A stack of G maps (:class:`Affine`): query
+    (G, B, d), keys (G, B, L, d), logits (G, B, L)."""
     proj = as_affine(projection).to(query.dtype)
-    scale = 1.0 / math.sqrt(proj.W.shape[0]) if scale is None else scale
-    return torch.einsum("bd,bld->bl", proj.query_vector(query), keys) * scale
+    scale = 1.0 / math.sqrt(proj.W.shape[-2]) if scale is None else scale
+    return torch.einsum("...d,...ld->...l", proj.query_vector(query), keys) * scale
 
 
 def save_projections(projections, path, meta: Mapping | None = None) -> None:

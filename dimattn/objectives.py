@@ -54,12 +54,18 @@ def _masked_log_softmax(logits, mask):
     return torch.log_softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
 
 
-def kl_loss(logits, psi, mask):
+def _reduced(per_row, reduce: bool):
+    """The mean over rows (instances or pairs), or the rows themselves (``reduce=False``: a
+    lockstep fit of several layers, dimattn.projections.fit_layers, needs each layer's mean)."""
+    return per_row.mean() if reduce else per_row
+
+
+def kl_loss(logits, psi, mask, reduce: bool = True):
     """Mean over instances of sum_j c_j (log c_j - log p_j), c = max(psi, 1e-6), valid keys only."""
     mask = mask.bool()
     log_p = _masked_log_softmax(logits, mask).masked_fill(~mask, 0.0)
     c = psi.detach().clamp(min=PROB_EPS)
-    return torch.where(mask, c * (c.log() - log_p), torch.zeros_like(c)).sum(-1).mean()
+    return _reduced(torch.where(mask, c * (c.log() - log_p), torch.zeros_like(c)).sum(-1), reduce)
 
 
 class _ListwiseFunction(torch.autograd.Function):
@@ -129,6 +135,7 @@ def listwise_loss(
     delta: str = "lambda",
     normalise: str = "pairs",
     max_preferred: int | None = None,
+    reduce: bool = True,
 ):
     """L_list of seed 003 as the authors compute it (module docstring), mean over instances."""
     if delta not in ("lambda", "difference") or normalise not in ("pairs", "delta"):
@@ -149,37 +156,37 @@ def listwise_loss(
         gain, disc = psi_sorted, None
     m = length if max_preferred is None else max(1, min(int(max_preferred), length))
     per_instance = _ListwiseFunction.apply(s, pref, disp, gain, disc, m, float(gamma), normalise == "pairs")
-    return per_instance.mean()
+    return _reduced(per_instance, reduce)
 
 
-def head_loss(logits, psi, mask, k: int = 64):
+def head_loss(logits, psi, mask, k: int = 64, reduce: bool = True):
     """L_head = -sum_{i in top-k keys by psi} psi_i log p_i, p over all valid keys; mean over instances.
 
     k = 0 gives 0 (still connected to ``logits`` for autograd).
     """
     mask = mask.bool()
     if k <= 0:
-        return torch.where(mask, logits, torch.zeros_like(logits)).sum() * 0.0
+        return _reduced(torch.where(mask, logits, torch.zeros_like(logits)).sum(-1) * 0.0, reduce)
     psi = psi.detach() * mask
     log_p = _masked_log_softmax(logits, mask).masked_fill(~mask, 0.0)
     top = psi.topk(min(k, psi.shape[-1]), dim=-1).indices  # padded picks have psi 0
-    return -(psi.gather(-1, top) * log_p.gather(-1, top)).sum(-1).mean()
+    return _reduced(-(psi.gather(-1, top) * log_p.gather(-1, top)).sum(-1), reduce)
 
 
 def dimpo_loss(logits, psi, mask, beta=1.0, gamma=1e-4, k=64, lam=1.0, delta="lambda", normalise="pairs",
-               max_preferred=None):
+               max_preferred=None, reduce=True):
     """DimPO = L_list + lambda L_head (seed 003, section 3.2); k = 0 or lambda = 0 drops the head."""
-    loss = listwise_loss(logits, psi, mask, beta, gamma, delta, normalise, max_preferred)
+    loss = listwise_loss(logits, psi, mask, beta, gamma, delta, normalise, max_preferred, reduce)
     if k > 0 and lam != 0:
-        loss = loss + lam * head_loss(logits, psi, mask, k)
+        loss = loss + lam * head_loss(logits, psi, mask, k, reduce)
     return loss
 
 
 def dimpo_kl_loss(logits, psi, mask, beta=1.0, gamma=1e-4, kl_weight=1.0, delta="lambda", normalise="pairs",
-                  max_preferred=None):
+                  max_preferred=None, reduce=True):
     """DimPO (k = 0) + KL of Table 6: L_list + kl_weight KL(psi || p)."""
-    loss = listwise_loss(logits, psi, mask, beta, gamma, delta, normalise, max_preferred)
-    return loss + kl_weight * kl_loss(logits, psi, mask)
+    loss = listwise_loss(logits, psi, mask, beta, gamma, delta, normalise, max_preferred, reduce)
+    return loss + kl_weight * kl_loss(logits, psi, mask, reduce)
 
 
 # ---- pairwise objectives ------------------------------------------------------------------------
@@ -190,28 +197,29 @@ def _pair_probs(s_w, s_l):
     return probs[..., 0].clamp(PROB_EPS, 1 - PROB_EPS), probs[..., 1].clamp(PROB_EPS, 1 - PROB_EPS)
 
 
-def simpo_loss(s_w, s_l, beta: float = 1.0, gamma: float = 1.0):
+def simpo_loss(s_w, s_l, beta: float = 1.0, gamma: float = 1.0, reduce: bool = True):
     """SimPO: mean of -log sigmoid(beta (log p_w - log p_l) - gamma)."""
     p_w, p_l = _pair_probs(s_w, s_l)
-    return -F.logsigmoid(beta * (p_w.log() - p_l.log()) - gamma).mean()
+    return _reduced(-F.logsigmoid(beta * (p_w.log() - p_l.log()) - gamma), reduce)
 
 
-def orpo_loss(s_w, s_l, lam: float = 0.1):
+def orpo_loss(s_w, s_l, lam: float = 0.1, reduce: bool = True):
     """ORPO: mean of -log p_w - lambda log sigmoid(logodds(p_w) - logodds(p_l))."""
     p_w, p_l = _pair_probs(s_w, s_l)
     odds = (p_w / (1 - p_w)).log() - (p_l / (1 - p_l)).log()
-    return (-p_w.log() - lam * F.logsigmoid(odds)).mean()
+    return _reduced(-p_w.log() - lam * F.logsigmoid(odds), reduce)
 
 
-def cpo_loss(s_w, s_l, beta: float = 1.0, lam: float = 0.1):
+def cpo_loss(s_w, s_l, beta: float = 1.0, lam: float = 0.1, reduce: bool = True):
     """CPO: mean of -log max(beta (log p_w - log p_l), 1e-6) - lambda log p_w."""
     p_w, p_l = _pair_probs(s_w, s_l)
-    return (-(beta * (p_w.log() - p_l.log())).clamp(min=PROB_EPS).log() - lam * p_w.log()).mean()
+    return _reduced(-(beta * (p_w.log() - p_l.log())).clamp(min=PROB_EPS).log() - lam * p_w.log(), reduce)
 
 
-def triplet_loss(anchor, positive, negative, margin: float = 0.1):
+def triplet_loss(anchor, positive, negative, margin: float = 0.1, reduce: bool = True):
     """Mongoose's triplet loss: torch's TripletMarginLoss (Euclidean, eps 1e-6, mean)."""
-    return F.triplet_margin_loss(anchor, positive, negative, margin=margin, p=2)
+    return F.triplet_margin_loss(anchor, positive, negative, margin=margin, p=2,
+                                 reduction="mean" if reduce else "none")  # fmt: skip
 
 
 # ---- pair selection (section 3.3 and Appendix B) ------------------------------------------------
@@ -336,9 +344,10 @@ class Objective:
     def trained(self) -> bool:
         return self.loss is not None
 
-    def __call__(self, *tensors, hparams=None):
+    def __call__(self, *tensors, hparams=None, reduce: bool = True):
         """The loss on one batch; hyperparameters from ``hparams`` (mapping or settings object),
-        else this objective's defaults, else the loss function's own defaults."""
+        else this objective's defaults, else the loss function's own defaults. ``reduce=False``:
+        one loss per row (instance or pair), whose mean is the loss."""
         if self.loss is None:
             raise TypeError(f"objective {self.name!r} is closed-form and has no loss")
         values = dict(self.defaults)
@@ -346,7 +355,7 @@ class Objective:
             values.update(hparams)
         elif hparams is not None:
             values.update({n: getattr(hparams, n) for n in self.hparams if hasattr(hparams, n)})
-        return self.loss(*tensors, **{n: values[n] for n in self.hparams if n in values})
+        return self.loss(*tensors, **{n: values[n] for n in self.hparams if n in values}, reduce=reduce)
 
 
 _LIST = ("beta", "gamma", "delta", "normalise", "max_preferred")

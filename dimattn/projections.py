@@ -42,6 +42,7 @@ from .affine import load_projections, logit_scale, projected_logits, save_atomic
 from .atomic import atomic_file
 from .formats import FIDELITY_COLUMNS
 from .objectives import get_objective, pca_projection, select_pairs
+from .resources import fit_group
 from .settings import from_mapping, key_list_length, resolve_top_k
 
 CAPTURE_PARTS = ("q", "k", "v", "k_far", "v_far")
@@ -385,19 +386,26 @@ class Instances:
         near = near_mask(self.pos[inst], positions, self.window)
         return torch.where(near[:, None], keys, self.far_keys_source[seq, kv_head, positions])
 
-    def batch(self, index=None):
+    def list_length(self, index) -> int:
+        """L of :meth:`batch`: the key list, which a causal batch ends at its last query."""
+        if self.key_subset is not None or not self.causal:
+            return self.n_keys
+        return int(self.pos[torch.as_tensor(index).to(self.pos.device)].max()) + 1
+
+    def batch(self, index=None, length: int | None = None):
         """dict of query (B, d), keys (B, L, d), positions (B, L) of the keys in the sequence,
-        mask (B, L), scores (B, L) = q.k / sqrt(d) and psi (B, L) = their masked softmax."""
+        mask (B, L), scores (B, L) = q.k / sqrt(d) and psi (B, L) = their masked softmax.
+        ``length``: a causal list's L, at least :meth:`list_length` (the keys past a query are
+        masked)."""
         device = self.keys_source.device
         index = torch.arange(len(self)) if index is None else torch.as_tensor(index)
         index = index.to(device)
         seq, kv_head, pos = self.seq[index], self.head[index] // self.groups, self.pos[index]
-        seq_len = self.keys_source.shape[2]
         if self.key_subset is not None:
             positions = self.key_subset[seq, kv_head]  # (B, n_keys)
             where = (seq[:, None], kv_head[:, None], positions)
         else:
-            length = int(pos.max()) + 1 if self.causal else seq_len
+            length = length or self.list_length(index)
             positions = torch.arange(length, device=device).expand(len(index), length)
             where = (seq, kv_head, slice(None, length))
         keys = self.keys_source[where]
@@ -498,14 +506,27 @@ def initial_projection(layer_capture, d_prime: int, settings: FitSettings, gener
     return Affine(W, b).to(device)
 
 
-def _batch_loss(obj, settings, proj, instances, pairs, index, scale):
+def _layer_losses(obj, settings, proj, instances, pairs, index, scale):
+    """(G,) each layer's loss on its batch: ``proj`` a stack of G maps (:class:`Affine`, W (G,
+    d', d)), ``instances``, ``pairs`` (or None) and ``index`` one a layer. The G batches go
+    through the objective as one (G B rows, reduce=False), then each layer's rows are averaged:
+    the loss a fit of that layer alone takes."""
     if obj.kind == "list":
-        b = instances.batch(index)
-        return obj(projected_logits(proj, b["query"], b["keys"], scale), b["psi"], b["mask"], hparams=settings)
-    q, k_w, k_l = (proj(x) for x in pairs.vectors(instances, index))
-    if obj.kind == "triplet":
-        return obj(q, k_w, k_l, hparams=settings)
-    return obj((q * k_w).sum(-1) * scale, (q * k_l).sum(-1) * scale, hparams=settings)
+        # A causal list ends at its batch's last query: every layer's batch gathered as long as the longest.
+        length = max(i.list_length(x) for i, x in zip(instances, index))
+        parts = [i.batch(x, length) for i, x in zip(instances, index)]
+        query, keys, psi, mask = (torch.stack([b[name] for b in parts]) for name in ("query", "keys", "psi", "mask"))
+        logits = projected_logits(proj, query, keys, scale)
+        rows = obj(logits.flatten(0, 1), psi.flatten(0, 1), mask.flatten(0, 1), hparams=settings, reduce=False)
+    else:
+        vectors = [p.vectors(i, x) for p, i, x in zip(pairs, instances, index)]
+        q, k_w, k_l = (proj(torch.stack(v)) for v in zip(*vectors))  # (G, B, d') each
+        if obj.kind == "triplet":
+            rows = obj(q.flatten(0, 1), k_w.flatten(0, 1), k_l.flatten(0, 1), hparams=settings, reduce=False)
+        else:
+            s_w, s_l = ((q * k).sum(-1).flatten() * scale for k in (k_w, k_l))
+            rows = obj(s_w, s_l, hparams=settings, reduce=False)
+    return rows.view(len(index), -1).mean(1)
 
 
 def objective_loss(instances: Instances, objective: str, projection, hparams=None, batch_size: int = 512) -> float:
@@ -514,11 +535,12 @@ def objective_loss(instances: Instances, objective: str, projection, hparams=Non
     if "k" in obj.hparams:
         st = with_top_k(st, instances.n_keys)
     proj = as_affine(projection).to(device=instances.query.device, dtype=instances.query.dtype)
+    stacked = Affine(proj.W[None], None if proj.b is None else proj.b[None])
     scale = logit_scale(st.train_scale, proj.W.shape[1], proj.W.shape[0])
     total = 0.0
     with torch.no_grad():
         for index in torch.arange(len(instances)).split(batch_size):
-            total += float(_batch_loss(obj, st, proj, instances, None, index, scale)) * len(index)
+            total += float(_layer_losses(obj, st, stacked, [instances], None, [index], scale)) * len(index)
     return total / len(instances)
 
 
@@ -534,72 +556,113 @@ def fit_layer(layer_capture, objective: str, d_prime: int, hparams=None, seed: i
     with ``seed``, so a fit is deterministic on a given device. A step whose loss is not finite
     is skipped, as the authors do. ``device``: where to fit (default: where the capture is).
     """
+    return fit_layers({0: layer_capture}, objective, d_prime, hparams, {0: seed}, progress=progress, device=device)[0]
+
+
+def fit_layers(layer_captures: Mapping, objective: str, d_prime: int, hparams=None, seeds: Mapping | None = None, *,
+               progress=True, device=None) -> dict:  # fmt: skip
+    """:func:`fit_layer` of each of several layers ({layer: capture}, each with its seed, 0 by
+    default), stepped in lockstep: {layer: (Affine, history)}, each as that layer's fit alone.
+
+    Each layer keeps its own generator (its draws, in fit_layer's order), projection, Adam
+    state and skipped steps; a step gathers every layer's batch, computes their losses in one
+    pass (:func:`_layer_losses`) and takes one backward and one optimizer step for all, which
+    at batch 1 costs about what one layer's step did. Layers' gradients never mix (each loss
+    reads its own map only), so the results equal separate fits up to float summation order.
+    """
     obj, st = get_objective(objective), resolve_settings(objective, hparams)
+    layers = list(layer_captures)
+    captures = [layer_captures[layer] for layer in layers]
     if "k" in obj.hparams:
-        st = with_top_k(st, key_list_length(layer_capture["q"].shape[2], st.num_sampled_keys))
+        st = with_top_k(st, key_list_length(captures[0]["q"].shape[2], st.num_sampled_keys))
     if device is not None:
-        layer_capture = {name: t.to(device) if torch.is_tensor(t) else t for name, t in layer_capture.items()}
-    generator = torch.Generator().manual_seed(seed)
-    d = layer_capture["q"].shape[-1]
+        captures = [{name: t.to(device) if torch.is_tensor(t) else t for name, t in c.items()} for c in captures]
+    generators = [torch.Generator().manual_seed((seeds or {}).get(layer, 0)) for layer in layers]
     if not obj.trained:
-        queries, keys = pca_data(layer_capture, st)
-        W, b = obj.fit(queries, keys, d_prime, generator=generator, center=st.pca_center)
-        return Affine(W.cpu(), None if b is None else b.cpu()), []
-    instances = build_instances(layer_capture, st, generator)
-    pairs = None
-    if obj.kind == "list":
+        out = {}
+        for layer, capture, generator in zip(layers, captures, generators):
+            queries, keys = pca_data(capture, st)
+            W, b = obj.fit(queries, keys, d_prime, generator=generator, center=st.pca_center)
+            out[layer] = (Affine(W.cpu(), None if b is None else b.cpu()), [])
+        return out
+    if obj.kind == "list" and st.pair_mode not in ("extreme", "all"):
         # A list objective compares every pair of its list: pair_mode "all" says so (Figure 4 (a)
         # runs it beside the pairwise objectives), "extreme" is the default; "halves" and
         # "distance" pick pairs, which a list objective has no use for.
-        if st.pair_mode not in ("extreme", "all"):
-            raise ValueError(
-                f"{objective} uses every pair of its key list; Appendix B's 'all key pairs' for the listwise "
-                "term is num_sampled_keys, the pair modes halves and distance apply to pairwise objectives only"
-            )
-        items = len(instances)
-    else:
-        pairs = build_pairs(instances, st, generator)
-        items = len(pairs)
-    start = initial_projection(layer_capture, d_prime, st, generator)
-    params = [torch.nn.Parameter(start.W.clone())]
-    if start.b is not None:
-        params.append(torch.nn.Parameter(start.b.clone()))
-    proj = Affine(*params)
-    optimizer = torch.optim.Adam(params, lr=st.lr, weight_decay=st.weight_decay)
+        raise ValueError(
+            f"{objective} uses every pair of its key list; Appendix B's 'all key pairs' for the listwise "
+            "term is num_sampled_keys, the pair modes halves and distance apply to pairwise objectives only"
+        )
+    instances = [build_instances(c, st, g) for c, g in zip(captures, generators)]
+    pairs = None if obj.kind == "list" else [build_pairs(i, st, g) for i, g in zip(instances, generators)]
+    counts = {len(x) for x in (instances if pairs is None else pairs)}
+    if len(counts) > 1:  # equal-shaped layers give equal counts; a lockstep fit needs them
+        raise ValueError(f"layers {layers} have {sorted(counts)} training items: lockstep needs them equal")
+    (items,) = counts
+    starts = [initial_projection(c, d_prime, st, g) for c, g in zip(captures, generators)]
+    weights = [torch.nn.Parameter(start.W.clone()) for start in starts]
+    biases = [torch.nn.Parameter(start.b.clone()) for start in starts] if starts[0].b is not None else []
+    # Adam is elementwise: one optimizer over every layer's parameters is each layer's own Adam.
+    optimizer = torch.optim.Adam([*weights, *biases], lr=st.lr, weight_decay=st.weight_decay)
     total = st.steps or st.epochs * math.ceil(items / st.batch_size)
-    scale = logit_scale(st.train_scale, d, d_prime)
+    scale = logit_scale(st.train_scale, captures[0]["q"].shape[-1], d_prime)
     every = max(1, total // HISTORY_POINTS)
-    history, order = [], torch.empty(0, dtype=torch.long)
-    running, count = torch.zeros((), device=params[0].device), 0
-    for step in tqdm(range(total), desc=f"{objective} d'={d_prime}", disable=not progress, leave=False):
-        if len(order) == 0:  # new epoch
-            order = torch.randperm(items, generator=generator) if st.shuffle else torch.arange(items)
-        index, order = order[: st.batch_size], order[st.batch_size :]
-        loss = _batch_loss(obj, st, proj, instances, pairs, index, scale)
-        if torch.isfinite(loss):
+    histories = {layer: [] for layer in layers}
+    orders = [torch.empty(0, dtype=torch.long) for _ in layers]
+    running, count = torch.zeros(len(layers), device=weights[0].device), torch.zeros(len(layers), dtype=torch.long)
+    desc = f"{objective} d'={d_prime} layers {layers[0]}..{layers[-1]}" if len(layers) > 1 else f"{objective} d'={d_prime}"
+    for step in tqdm(range(total), desc=desc, disable=not progress, leave=False):
+        index = []
+        for g, generator in enumerate(generators):
+            if len(orders[g]) == 0:  # new epoch
+                orders[g] = torch.randperm(items, generator=generator) if st.shuffle else torch.arange(items)
+            index.append(orders[g][: st.batch_size])
+            orders[g] = orders[g][st.batch_size :]
+        proj = Affine(torch.stack(weights), torch.stack(biases) if biases else None)
+        losses = _layer_losses(obj, st, proj, instances, pairs, index, scale)
+        finite = torch.isfinite(losses).cpu()
+        if bool(finite.any()):
             optimizer.zero_grad()
-            loss.backward()
+            losses[finite.to(losses.device)].sum().backward()
+            for g in torch.nonzero(~finite).flatten().tolist():  # that layer skips the step, as alone
+                weights[g].grad = None
+                if biases:
+                    biases[g].grad = None
             optimizer.step()
-            running, count = running + loss.detach(), count + 1
+            live = finite.to(losses.device)
+            running = running + torch.where(live, losses.detach(), 0.0)
+            count += finite
         if (step + 1) % every == 0 or step + 1 == total:
-            history.append((step, float(running / count) if count else float("nan")))
-            running, count = torch.zeros_like(running), 0
-    result = Affine(params[0].detach().cpu().clone(), params[1].detach().cpu().clone() if len(params) > 1 else None)
-    return result, history
+            for g, layer in enumerate(layers):
+                histories[layer].append((step, float(running[g] / count[g]) if count[g] else float("nan")))
+            running, count = torch.zeros_like(running), torch.zeros_like(count)
+    return {
+        layer: (Affine(weights[g].detach().cpu().clone(), biases[g].detach().cpu().clone() if biases else None),
+                histories[layer])
+        for g, layer in enumerate(layers)
+    }  # fmt: skip
 
 
 def fit_projections(capture, objective: str, d_prime: int, hparams=None, seed: int = 0, *, progress=True,
                     return_history=False, device=None):  # fmt: skip
-    """{layer: Affine} for every captured layer, each fitted independently with seed ``seed + layer``.
+    """{layer: Affine} for every captured layer, each fitted with seed ``seed + layer`` as if
+    alone; the layers go in lockstep groups (:func:`fit_layers`) of as many as fit in
+    dimattn.resources.FIT_LOCKSTEP_BYTES, read a group at a time from a LayerFile.
 
     With ``return_history`` returns (projections, {layer: history}).
     """
     settings = resolve_settings(objective, hparams)
+    layers = sorted(capture)
+    first = capture[layers[0]]
+    group = fit_group(sum(t.numel() * t.element_size() for t in first.values() if torch.is_tensor(t)), len(layers))
     out, histories = {}, {}
-    for layer in tqdm(sorted(capture), desc=f"layers ({objective})", disable=not progress):
-        out[layer], histories[layer] = fit_layer(
-            capture[layer], objective, d_prime, settings, seed + layer, progress=progress, device=device
-        )
+    for g0 in tqdm(range(0, len(layers), group), desc=f"layers ({objective})", disable=not progress):
+        chunk = layers[g0 : g0 + group]
+        fits = fit_layers({layer: first if layer == layers[0] else capture[layer] for layer in chunk}, objective,
+                          d_prime, settings, {layer: seed + layer for layer in chunk}, progress=progress,
+                          device=device)  # fmt: skip
+        for layer, (projection, history) in fits.items():
+            out[layer], histories[layer] = projection, history
     return (out, histories) if return_history else out
 
 
@@ -781,6 +844,7 @@ __all__ = [
     "build_pairs",
     "fidelity_to_file",
     "fit_layer",
+    "fit_layers",
     "fit_projections",
     "fit_to_file",
     "load_capture",

@@ -43,11 +43,13 @@ the fit reads the fit capture, then scores fidelity on the eval capture, a layer
 its T keys, with a listwise term over P preferred keys (``max_preferred``, or all T) at most:
 
     layer    = max(N_fit, N_eval) * T * (H + 2 H_kv [+ 2 H_kv far]) * h * 4   one layer's q, k, v, fp32
-    mem_mb   = 3 * layer / 2^20 + overhead_mb    (FIT_LAYER_COPIES) the layer, its gathered keys and the work (measured
-                                                 2.3x a layer, tests/test_streamed_layers.py)
+    G        = min(L, max(1, FIT_LOCKSTEP_BYTES // layer))   layers fitted in lockstep (fit_group), one step
+                                                 serving them all: every layer of a small capture, one of a large
+    mem_mb   = 3 * G * layer / 2^20 + overhead_mb    (FIT_LAYER_COPIES) the layers, their gathered keys and the
+                                                 work (measured 2.3x a layer, tests/test_streamed_layers.py)
     FLOPs    = L * (E * I * (6 T (h d' + h + d') + 4 T P) + N_eval * H * T^2 * 2 (3 h + d'))
                fit: F(q) F(K)^T beside q K^T, forward and backward, and the pairs; fidelity: psi, pi, psi V - pi V
-    runtime  = margin * (FLOPs / throughput + L * S * step_ms / 1000) / 60 + startup_min
+    runtime  = margin * (FLOPs / throughput + ceil(L / G) * S * step_ms / 1000) / 60 + startup_min
                step_ms (``cluster.step_ms``): a step's fixed cost, which at batch 1 outweighs its FLOPs
 
 score_text, perplexity, score_projected: a model of P parameters at b bytes (the task's dtype),
@@ -78,6 +80,16 @@ from .settings import downstream_tasks
 MIB = 2**20
 NODE_KEYS = {"mem_mb": "node_mem_mb", "runtime": "node_runtime_min"}
 FIT_LAYER_COPIES = 3  # a fit job's host memory, in layers of its capture (see fit_projection below)
+# A fit steps the layers of a capture together (one optimizer step for all, their batches in one
+# pass) as long as their q, k, v stay under this: at batch 1 a step's fixed cost outweighs its
+# FLOPs, on CPU and GPU alike. A paper-scale layer (Llama-3.1-8B: 2.5 GiB) goes alone.
+FIT_LOCKSTEP_BYTES = 1 << 28
+
+
+def fit_group(layer_bytes: int, layers: int) -> int:
+    """Layers a fit steps in lockstep (dimattn.projections.fit_projections): as many of the
+    capture's ``layers`` as fit in FIT_LOCKSTEP_BYTES, at least one."""
+    return max(1, min(layers, FIT_LOCKSTEP_BYTES // max(1, layer_bytes)))
 
 # What makes huggingface_hub, datasets and transformers read their caches only.
 # evaluate (lm-eval's MBPP loads its code_eval) has its own switch: without it, it asks
@@ -211,6 +223,7 @@ def fit(shape: dict | None, n_fit: int, n_eval: int, seq_len: int, d_prime: int,
     layers, heads, kv, h = (shape[k] for k in ("layers", "heads", "kv_heads", "head_dim"))
     kv_parts = 4 * kv if shape.get("far") else 2 * kv
     layer = max(n_fit, n_eval) * seq_len * (heads + kv_parts) * h * 4
+    group = fit_group(layer, layers)
     seconds = 0.0
     for hp in [hparams, *(hparams | o for o in (hparams.get("per_objective") or {}).values())]:
         stride = hp.get("query_stride") or heads
@@ -221,9 +234,10 @@ def fit(shape: dict | None, n_fit: int, n_eval: int, seq_len: int, d_prime: int,
         per_instance = 6 * seq_len * (h * d_prime + h + d_prime) + 4 * seq_len * preferred
         flops = layers * (epochs * instances * per_instance + n_eval * heads * seq_len**2 * 2 * (3 * h + d_prime))
         compute = flops / (cluster["throughput_tflops"][device] * 1e12)
-        seconds = max(seconds, compute + layers * steps * cluster["step_ms"][device] / 1000)
+        seconds = max(seconds, compute + math.ceil(layers / group) * steps * cluster["step_ms"][device] / 1000)
     return {
-        "mem_mb": max(floor["mem_mb"], math.ceil(FIT_LAYER_COPIES * layer / MIB + cluster["overhead_mb"][device])),
+        "mem_mb": max(floor["mem_mb"],
+                      math.ceil(FIT_LAYER_COPIES * group * layer / MIB + cluster["overhead_mb"][device])),
         "runtime": max(floor["runtime"], math.ceil(cluster["margin"] * seconds / 60 + cluster["startup_min"])),
     }
 

@@ -415,3 +415,25 @@ def test_objective_call_reads_hparams_then_defaults():
         get_objective("cosine")
     with pytest.raises(TypeError, match="closed-form"):
         OBJECTIVES["pca"](logits, psi, mask)
+
+
+@pytest.mark.parametrize("name", [o.name for o in OBJECTIVES.values() if o.trained])
+def test_per_row_losses_average_to_the_loss(name):
+    """reduce=False (a lockstep fit's per-layer means, dimattn.projections.fit_layers): one loss a
+    row, whose mean is the loss and whose gradient is the loss's, for every trained objective."""
+    obj = get_objective(name)
+    g = torch.Generator().manual_seed(1)
+    if obj.kind == "list":
+        logits, psi, mask = make_batch()
+        tensors = [logits.masked_fill(~mask, 0.0).requires_grad_(), psi, mask]
+    elif obj.kind == "pair":
+        tensors = [torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    else:
+        tensors = [torch.randn(6, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    rows = obj(*tensors, hparams={"k": 2}, reduce=False)
+    assert rows.shape == (len(tensors[0]),)
+    loss = obj(*tensors, hparams={"k": 2})
+    torch.testing.assert_close(rows.mean(), loss)
+    (grad_rows,) = torch.autograd.grad(rows.mean(), tensors[0])
+    (grad_loss,) = torch.autograd.grad(loss, tensors[0])
+    torch.testing.assert_close(grad_rows, grad_loss)

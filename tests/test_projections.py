@@ -21,6 +21,7 @@ from dimattn.projections import (
     build_instances,
     build_pairs,
     fit_layer,
+    fit_layers,
     fit_projections,
     initial_projection,
     load_capture,
@@ -622,3 +623,64 @@ def test_file_steps_end_to_end(tmp_path):
             out_path=tmp_path / "x.safetensors",
             model_name="tiny",
         )
+
+
+def two_layer_capture():
+    first, second = low_rank_capture(seed=0)[0], low_rank_capture(seed=5)[0]
+    return {0: first, 1: second}
+
+
+@pytest.mark.parametrize(
+    "objective,hparams",
+    [("kl", {}), ("dimpo", {}), ("dimpo", {"causal": True, "shuffle": False}), ("orpo", {}), ("triplet", {}),
+     ("dimpo_list", {"num_sampled_keys": 6, "bias": False})],
+)  # fmt: skip
+def test_lockstep_fit_is_each_layer_fitted_alone(objective, hparams):
+    """fit_layers steps two layers together (one loss pass, backward and Adam step); each layer's
+    map and history are those of fit_layer on that layer alone with its seed. The causal case
+    pads each step's lists to the longer layer's, which the mask hides."""
+    capture = two_layer_capture()
+    hp = {**FAST, "steps": 12, "batch_size": 4, **hparams}
+    together = fit_layers(capture, objective, 4, hp, {0: 3, 1: 4}, progress=False)
+    for layer, seed in ((0, 3), (1, 4)):
+        alone, history = fit_layer(capture[layer], objective, 4, hp, seed=seed, progress=False)
+        torch.testing.assert_close(together[layer][0].W, alone.W, rtol=1e-5, atol=1e-6)
+        if alone.b is not None:
+            torch.testing.assert_close(together[layer][0].b, alone.b, rtol=1e-5, atol=1e-6)
+        assert [s for s, _ in together[layer][1]] == [s for s, _ in history]
+        assert [x for _, x in together[layer][1]] == pytest.approx([x for _, x in history], rel=1e-5)
+    assert not torch.allclose(together[0][0].W, together[1][0].W)
+
+
+def test_lockstep_fit_skips_a_layers_non_finite_step_alone():
+    """A step whose loss is not finite is skipped by that layer only (no gradient, no Adam step
+    or state), as a fit of it alone skips it; the other layer's steps go on."""
+    capture = two_layer_capture()
+    broken = dict(capture[1])
+    broken["q"] = capture[1]["q"].clone()
+    broken["q"][0] = float("nan")  # every instance of sequence 0: about half the steps
+    capture = {0: capture[0], 1: broken}
+    hp = {**FAST, "steps": 10, "batch_size": 1, "n_instances": 64}
+    together = fit_layers(capture, "kl", 4, hp, {0: 0, 1: 1}, progress=False)
+    for layer, seed in ((0, 0), (1, 1)):
+        alone, history = fit_layer(capture[layer], "kl", 4, hp, seed=seed, progress=False)
+        torch.testing.assert_close(together[layer][0].W, alone.W, rtol=1e-5, atol=1e-6)
+        assert [x for _, x in together[layer][1]] == pytest.approx([x for _, x in history], rel=1e-5, nan_ok=True)
+    losses = [x for _, x in together[1][1]]
+    assert any(math.isnan(x) for x in losses) and not all(math.isnan(x) for x in losses)
+    assert torch.isfinite(together[1][0].W).all()
+
+
+def test_fit_projections_groups_layers_within_the_lockstep_budget(monkeypatch):
+    """fit_projections fits as many layers together as FIT_LOCKSTEP_BYTES holds: the same maps
+    with every layer in one group as with one layer a group."""
+    from dimattn import resources
+
+    capture = two_layer_capture()
+    hp = {**FAST, "steps": 8}
+    grouped = fit_projections(capture, "dimpo", 4, hp, seed=2, progress=False)
+    monkeypatch.setattr(resources, "FIT_LOCKSTEP_BYTES", 1)
+    assert resources.fit_group(10**6, 2) == 1
+    single = fit_projections(capture, "dimpo", 4, hp, seed=2, progress=False)
+    for layer in capture:
+        torch.testing.assert_close(grouped[layer].W, single[layer].W, rtol=1e-5, atol=1e-6)
