@@ -653,14 +653,16 @@ def fit_projections(capture, objective: str, d_prime: int, hparams=None, seed: i
     """
     settings = resolve_settings(objective, hparams)
     layers = sorted(capture)
-    first = capture[layers[0]]
+    first = capture[layers[0]]  # every layer is shaped alike (load_capture)
     group = fit_group(sum(t.numel() * t.element_size() for t in first.values() if torch.is_tensor(t)), len(layers))
     out, histories = {}, {}
     for g0 in tqdm(range(0, len(layers), group), desc=f"layers ({objective})", disable=not progress):
         chunk = layers[g0 : g0 + group]
-        fits = fit_layers({layer: first if layer == layers[0] else capture[layer] for layer in chunk}, objective,
-                          d_prime, settings, {layer: seed + layer for layer in chunk}, progress=progress,
-                          device=device)  # fmt: skip
+        group_captures = {layer: first if layer == layers[0] else capture[layer] for layer in chunk}
+        first = None  # held by the first group only: a group's layers are all a job keeps
+        fits = fit_layers(group_captures, objective, d_prime, settings, {layer: seed + layer for layer in chunk},
+                          progress=progress, device=device)  # fmt: skip
+        del group_captures
         for layer, (projection, history) in fits.items():
             out[layer], histories[layer] = projection, history
     return (out, histories) if return_history else out
