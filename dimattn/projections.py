@@ -610,7 +610,7 @@ def fit_layers(layer_captures: Mapping, objective: str, d_prime: int, hparams=No
     histories = {layer: [] for layer in layers}
     orders = [torch.empty(0, dtype=torch.long) for _ in layers]
     running, count = torch.zeros(len(layers), device=weights[0].device), torch.zeros(len(layers), dtype=torch.long)
-    desc = f"{objective} d'={d_prime} layers {layers[0]}..{layers[-1]}" if len(layers) > 1 else f"{objective} d'={d_prime}"
+    desc = f"{objective} d'={d_prime}" + (f" layers {layers[0]}..{layers[-1]}" if len(layers) > 1 else "")
     for step in tqdm(range(total), desc=desc, disable=not progress, leave=False):
         index = []
         for g, generator in enumerate(generators):
