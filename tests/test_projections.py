@@ -684,3 +684,26 @@ def test_fit_projections_groups_layers_within_the_lockstep_budget(monkeypatch):
     single = fit_projections(capture, "dimpo", 4, hp, seed=2, progress=False)
     for layer in capture:
         torch.testing.assert_close(grouped[layer].W, single[layer].W, rtol=1e-5, atol=1e-6)
+
+
+def test_fit_benchmark_compares_lockstep_with_one_layer_at_a_time(tmp_path, capsys):
+    """benchmarks/fit.py on a random capture: one line an objective, the two fits' maps the same
+    and the budget restored afterwards."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from dimattn import resources
+
+    spec = importlib.util.spec_from_file_location("bench_fit", Path(__file__).parents[1] / "benchmarks" / "fit.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    budget = resources.FIT_LOCKSTEP_BYTES
+    bench.main(["--capture", str(tmp_path / "none.safetensors"), "--objectives", "kl", "orpo", "--steps", "4",
+                "--layers", "2", "--sequences", "2", "--seq-len", "16", "--head-dim", "8", "--repeats", "1"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["name"] for r in lines] == [f"fit_{o}_lockstep_over_one_layer_at_a_time" for o in ("kl", "orpo")]
+    for r in lines:
+        assert r["capture"] == "random" and r["layers"] == 2 and r["group"] == 2 and r["ratio"] > 0
+        assert r["max_abs_W_difference"] < 1e-5
+    assert resources.FIT_LOCKSTEP_BYTES == budget
