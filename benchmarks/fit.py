@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dimattn import resources  # noqa: E402
-from dimattn.projections import fit_projections, load_capture  # noqa: E402
+from dimattn.projections import fit_projections, load_capture, lockstep_group  # noqa: E402
 
 DEFAULT_CAPTURE = ROOT / "results" / "dimpo" / "tiny-vanilla" / "capture_fit.safetensors"
 
@@ -68,8 +68,7 @@ def main(argv=None):
         source = "random"
     first = capture[min(capture)]
     budget = resources.FIT_LOCKSTEP_BYTES
-    group = resources.fit_group(sum(t.numel() * t.element_size() for t in first.values() if torch.is_tensor(t)),
-                                len(capture))
+    group = lockstep_group(first, len(capture))
 
     def fit(objective, lockstep):
         resources.FIT_LOCKSTEP_BYTES = budget if lockstep else 1

@@ -643,6 +643,12 @@ def fit_layers(layer_captures: Mapping, objective: str, d_prime: int, hparams=No
     }  # fmt: skip
 
 
+def lockstep_group(layer_capture, layers: int) -> int:
+    """Layers of a capture of ``layers`` layers shaped as ``layer_capture`` that a fit steps
+    together (dimattn.resources.fit_group on the layer's tensor bytes)."""
+    return fit_group(sum(t.numel() * t.element_size() for t in layer_capture.values() if torch.is_tensor(t)), layers)
+
+
 def fit_projections(capture, objective: str, d_prime: int, hparams=None, seed: int = 0, *, progress=True,
                     return_history=False, device=None):  # fmt: skip
     """{layer: Affine} for every captured layer, each fitted with seed ``seed + layer`` as if
@@ -654,7 +660,7 @@ def fit_projections(capture, objective: str, d_prime: int, hparams=None, seed: i
     settings = resolve_settings(objective, hparams)
     layers = sorted(capture)
     first = capture[layers[0]]  # every layer is shaped alike (load_capture)
-    group = fit_group(sum(t.numel() * t.element_size() for t in first.values() if torch.is_tensor(t)), len(layers))
+    group = lockstep_group(first, len(layers))
     out, histories = {}, {}
     for g0 in tqdm(range(0, len(layers), group), desc=f"layers ({objective})", disable=not progress):
         chunk = layers[g0 : g0 + group]
@@ -850,6 +856,7 @@ __all__ = [
     "fit_projections",
     "fit_to_file",
     "load_capture",
+    "lockstep_group",
     "objective_loss",
     "resolve_settings",
     "save_capture",
