@@ -21,6 +21,7 @@ import json
 import os
 import re
 import threading
+import time
 from functools import lru_cache
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -71,6 +72,9 @@ def _entry(folder: Path, rel: str) -> dict:
     return {"type": "file", "oid": sha[:40], "size": size, "path": rel, "lfs": {"oid": sha, "size": size, "pointerSize": 134}}
 
 
+PEER_LOOKUPS = 5  # tries to find the process behind a connection (HubHandler.setup)
+
+
 def _peer_cmdline(port: int) -> str | None:
     """The command line of the local process whose TCP socket has source port ``port``."""
     inode = None
@@ -109,7 +113,14 @@ class HubHandler(BaseHTTPRequestHandler):
 
     def setup(self):
         super().setup()
-        self.peer = _peer_cmdline(self.client_address[1])
+        # /proc is read while the client may be mid-fork or between scheduler slices (2 busy
+        # cores): a lookup that finds no process is retried before the request is logged as
+        # nobody's (the rehearsal once logged a Llama file so).
+        for attempt in range(PEER_LOOKUPS):
+            self.peer = _peer_cmdline(self.client_address[1])
+            if self.peer is not None:
+                break
+            time.sleep(0.05 * (attempt + 1))
 
     def log_message(self, format, *args):  # noqa: A002 - the base class's name
         pass
