@@ -16,9 +16,10 @@ Cost: the run is 85 jobs (the paper's 5,299), about 1,600 job-seconds on this 2-
 (nice'd, beside other test suites: load 4-8), half of it the 11 score_projected jobs (lm-eval's
 task index, MMLU's 57 subtasks, RULER's 500 generated samples a task). Measured 2026-12-02 under
 that load: 21 min in all (the downloads and tokens 3 min, the SLURM phase 2.5 min, the rest 16
-min). At about 3 s of imports per job before any work, the 85 jobs alone are some 250 CPU-seconds:
-beyond the suite's budget, so the run and the rule-set check (a paper dry run, about 50 s) run only
-with DIMATTN_REHEARSAL=1 (marker ``rehearsal``); the planning check (about 13 s) always runs.
+min); quiet, 8 min 45 s (2026-12-04). At about 3 s of imports per job before any work, the 85 jobs
+alone are some 250 CPU-seconds: beyond the suite's budget, so the run and the rule-set check (a
+paper dry run, about 50 s) run only with DIMATTN_REHEARSAL=1 (``make rehearsal``; marker
+``rehearsal``); the planning check (about 13 s) always runs.
 """
 
 import json
@@ -111,7 +112,7 @@ def test_the_rehearsal_has_every_rule_of_the_paper_dag():
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     if os.environ.get("DIMATTN_REHEARSAL") != "1":
-        pytest.skip("the rehearsal: set DIMATTN_REHEARSAL=1 (~20 min on 2 cores)")
+        pytest.skip("the rehearsal: make rehearsal, or DIMATTN_REHEARSAL=1 (about 9 min on 2 cores)")
     from dimattn import hub_server, tiny_hub
 
     root = tiny_hub.build(tmp_path_factory.mktemp("hub"))
@@ -137,7 +138,7 @@ def _fail(what, text, work):
 @pytest.fixture(scope="module")
 def rehearsal(hub, tmp_path_factory, request):
     if os.environ.get("DIMATTN_REHEARSAL") != "1":
-        pytest.skip("the rehearsal: set DIMATTN_REHEARSAL=1 (~20 min on 2 cores)")
+        pytest.skip("the rehearsal: make rehearsal, or DIMATTN_REHEARSAL=1 (about 9 min on 2 cores)")
     work = workdir(tmp_path_factory.mktemp("rehearsal"))
     user = {k: v for k, v in os.environ.items() if k not in resources.OFFLINE and not k.startswith("DIMATTN_")}
     env = {**user, "HF_ENDPOINT": hub["url"], "HF_HOME": str(work / "hf"), "NLTK_DATA": str(hub["root"] / "nltk_data")}
