@@ -1,7 +1,7 @@
 # Two entry points, each doing all set-up on a fresh machine (Python 3.11, no GPU):
 #   make run    install into .venv, then run the default workflow on config.yaml
 #   make test   install into .venv, then run the whole test suite
-#   make rehearsal  the paper DAG's dress rehearsal (configs/rehearsal.yaml), about 9 minutes
+#   make rehearsal  the paper DAG's dress rehearsal (configs/rehearsal.yaml), 9-10 minutes
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -32,7 +32,7 @@ test: install
 	$(BIN)/pytest -ra --durations=10 -n $(CORES) --dist loadfile
 
 # The paper DAG at a size two CPUs run, against a local stand-in Hub, through profiles/slurm where
-# the machine can host the one-node test cluster (tests/test_rehearsal.py): about 9 min on 2 cores,
+# the machine can host the one-node test cluster (tests/test_rehearsal.py): 9-10 min on 2 cores,
 # beyond make test's 10-minute budget beside the rest of the suite, so a target of its own.
 rehearsal: install
 	DIMATTN_REHEARSAL=1 $(BIN)/pytest -ra tests/test_rehearsal.py
