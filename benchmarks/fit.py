@@ -33,13 +33,6 @@ from dimattn.projections import fit_projections, load_capture, lockstep_group  #
 DEFAULT_CAPTURE = ROOT / "results" / "dimpo" / "tiny-vanilla" / "capture_fit.safetensors"
 
 
-def hparams(config: dict, objective: str) -> dict:
-    """The config's dimpo.hparams for ``objective``: its per_objective entry over the rest."""
-    hp = dict(config["dimpo"]["hparams"])
-    per = hp.pop("per_objective", None) or {}
-    return hp | (per.get(objective) or {})
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "config.yaml")
@@ -59,8 +52,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     config = yaml.safe_load(args.config.read_text())
     if args.capture.is_file():
-        layers, _ = load_capture(args.capture)
-        capture, source = {layer: layers[layer] for layer in layers}, str(args.capture)
+        (capture, _), source = load_capture(args.capture), str(args.capture)
     else:
         g = torch.Generator().manual_seed(0)
         shape = (args.sequences, args.heads, args.seq_len, args.head_dim)
@@ -72,7 +64,8 @@ def main(argv=None):
 
     def fit(objective, lockstep):
         resources.FIT_LOCKSTEP_BYTES = budget if lockstep else 1
-        hp = hparams(config, objective) | ({"steps": args.steps} if args.steps else {})
+        # resolve_settings merges per_objective; a setting is its top layer, so --steps wins
+        hp = config["dimpo"]["hparams"] | ({"setting": {"steps": args.steps}} if args.steps else {})
         t0 = time.perf_counter()
         maps = fit_projections(capture, objective, args.d_prime, hp, seed=0, progress=False)
         return time.perf_counter() - t0, maps

@@ -42,7 +42,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-EOS, BOS, QUERY, ASSIGN = 0, 1, 4, 5  # dimattn.recall's specials; "=" as dimattn.longctx
+from dimattn.longctx import ASSIGN_ID as ASSIGN  # noqa: E402
+from dimattn.longctx import _insert  # noqa: E402  (needles written apart, in order, at uniform places)
+from dimattn.recall import BOS_ID as BOS  # noqa: E402
+from dimattn.recall import EOS_ID as EOS  # noqa: E402
+from dimattn.recall import QUERY_ID as QUERY  # noqa: E402
+
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
 N = 16  # keys, values and words each
 SEQ_LEN, DRILL_CONTEXT, DRILL_PAIRS = 128, 64, 8
@@ -74,14 +79,6 @@ class Vocab:
 V = Vocab()
 
 
-def _place(context, rng, items):
-    """Write ``items`` (token lists) over ``context`` in this order, apart, at uniform places."""
-    lengths = np.array([len(i) for i in items])
-    gaps = np.sort(rng.integers(0, len(context) - lengths.sum() + 1, size=len(items)))
-    for start, item in zip(gaps + np.concatenate([[0], np.cumsum(lengths)[:-1]]), items):
-        context[start : start + len(item)] = item
-
-
 def mix_example(task, needles, question_first, rng):
     """(tokens of one SEQ_LEN example, answer length): bos, context, the question, the answer, eos."""
     q_len, a_len = QUESTION.get(task, 1), ANSWER[task]
@@ -93,12 +90,12 @@ def mix_example(task, needles, question_first, rng):
     if task in NEEDLES:
         m = NEEDLES[task]
         keys, values = rng.choice(N, m, replace=False), rng.integers(0, N, m)
-        _place(context, rng, [needle(k, v) for k, v in zip(keys, values)])
+        _insert(context, rng, [needle(k, v) for k, v in zip(keys, values)])
         asked = rng.permutation(m) if task == "niah_multiquery" else [int(rng.integers(m))]
         question, answer = [V.key0 + keys[i] for i in asked], [V.value0 + values[i] for i in asked]
     elif task == "niah_multivalue":
         k, values = int(rng.integers(N)), rng.choice(N, 4, replace=False)
-        _place(context, rng, [needle(k, v) for v in values])
+        _insert(context, rng, [needle(k, v) for v in values])
         question, answer = [V.key0 + k], [V.value0 + v for v in values]
     else:  # vt: x0 = value, x1 = x0, ... for two chains, interleaved, each in order
         names, values = rng.choice(N, 10, replace=False).reshape(2, 5), rng.choice(N, 2, replace=False)
@@ -112,7 +109,7 @@ def mix_example(task, needles, question_first, rng):
             else:
                 statements.append([V.key0 + names[chain, j], ASSIGN, V.key0 + names[chain, j - 1]])
             step[chain] += 1
-        _place(context, rng, statements)
+        _insert(context, rng, statements)
         chain = int(rng.integers(2))
         question, answer = [V.value0 + values[chain]], [V.key0 + n for n in names[chain]]
     task_id = V.task0 + TASKS.index(task)
