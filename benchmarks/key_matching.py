@@ -8,8 +8,10 @@ exact match (the answers teacher-forced) and the drill's accuracy per query.
     python benchmarks/key_matching.py mix                                   # the suite's layout
     python benchmarks/key_matching.py mix --needles single --question-first --drill 0.25
 
-These are scratch variants of dimattn.longctx's layout, for deciding what the generator should
-become; they are not in it yet, and the workflow does not use them.
+These are the experiments that decided dimattn.longctx's layout settings: the generator now
+writes the layout that works (``needles: fused``, ``question_first``, ``drill``; the suite's
+eight subtasks, configs/cpu-full.yaml). This script keeps the five-subtask mix and its
+teacher-forced scoring, to rerun the comparisons quickly.
 
 - ``--needles tokens``: a needle is ``k = v``, three tokens, as dimattn.longctx writes it;
   ``single``: one token ``k{i}v{j}`` a needle (the recall probe's fused pairs), and vt's

@@ -18,7 +18,7 @@ Subtasks (``SUBTASKS``; the lm-eval task each stands for in ``dimattn.sweeps.RUL
                      with a fact on the same attribute a; asked (title, a), answer that doc's v
 
 One example is exactly ``seq_len`` tokens: ``<|bos|> context question <|query|> answer
-<|endoftext|>``, the question a task token and the subtask's arguments (above). The context takes
+<|endoftext|>`` (see Layouts), the question a task token and the subtask's arguments (above). The context takes
 what the question and the answer leave, so a subtask's prompt length is fixed at a given
 seq_len and a batch needs no padding. Examples cycle through the subtasks (example i is subtask
 i mod S). With ``answer_loss`` the corpus writes the answers' target mask, as dimattn.recall
@@ -29,6 +29,19 @@ needle holds the context's only value, so copying any value answers it (as RULER
 in a haystack of sentences); niah_multikey's asked needle sits among distractor needles, so
 it needs the key matched: that row of the heat map is the informative one.
 
+Layouts. RULER's (the default) restates the question and then marks where the answer starts, so
+the first answer token is predicted one or more tokens after the asked key: the model must carry
+the key forward (a previous-token step) before it can match it. Small models trained here did
+not form that composition (README, "The long-context suite"; benchmarks/key_matching.py), so
+three settings give a layout they learn, which departs from RULER:
+
+- ``needles: fused``: each statement ``x = y`` (needle, chain assignment, fact) is one pair token
+  (the recall probe's fused pairs), so a key's value is read off one token;
+- ``question_first``: ``<|task|> <|query|> question answer``, the answer predicted at the asked
+  key itself (one lookup), where RULER's is ``<|task|> question <|query|> answer``;
+- ``drill``: that share of the train split is a drill of many lookups asked at the key
+  (:func:`drill_example`); the validation and test splits hold the suite alone.
+
 Vocabulary (token ids)::
 
     0 .. 4   dimattn.recall's specials (<|endoftext|> <|bos|> <|pad|> <|unk|> <|query|>),
@@ -37,6 +50,8 @@ Vocabulary (token ids)::
     6        <|doc|>    start of a qa document
     7 ..     one task token a subtask, <|niah_single|> ...
     then     keys k00 .., values v00 .., words w00 .. (n_keys, n_values, n_words)
+    then     with needles "fused", the pair tokens: a00_00 .. (key = value), c00_00 .. (key = key),
+             f00_00 .. (word = value)
 
 Names have a fixed width within a group and a letter of their own, so one name is a substring of
 a decoded prediction only where that token is in it: lm-eval's string matching on the decoded
@@ -73,7 +88,8 @@ SUBTASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"
 # tasks process_results_part (string_match_part), each on one example, then the mean.
 PART_SCORED = ("qa",)
 ASSIGN_ID, DOC_ID, TASK_START = 5, 6, 7
-NEEDLE = 3  # tokens of a needle, an assignment or a fact: "x = y"
+NEEDLE = 3  # tokens of a needle, an assignment or a fact: "x = y" (needles "tokens")
+NEEDLE_KINDS = ("tokens", "fused")
 
 
 class SettingError(DataError):
@@ -104,6 +120,11 @@ class LongContextSettings:
     fwe_alpha: float = 2.0  # RULER's zeta exponent
     qa_docs: int = 4
     needle_depth: float | None = None  # niah_single's needle at this share of the context; None: uniform
+    # The layout (module docstring, "Layouts"): RULER's by default.
+    needles: str = "tokens"  # "tokens": a statement is "x = y"; "fused": one pair token (the recall probe's)
+    question_first: bool = False  # <|query|> before the question, so the answer follows the asked key
+    drill: float = 0.0  # share of the train split that is the key-asked drill (needles "fused")
+    drill_pairs: int = 8  # pairs of a drill example, in the first half of it
     max_positions: int | None = None  # the model's positions, where it has a limit
     answer_loss: bool = True  # train on the answers only (meta "loss_mask")
     n_train: int = 20000  # examples per split, cycling through the subtasks
@@ -116,9 +137,10 @@ class LongContextSettings:
             value = getattr(self, f.name)
             if f.name in ("needle_depth", "max_positions") and value is None:
                 continue
-            if f.name == "subtasks":
+            if f.name in ("subtasks", "needles"):
                 continue
-            kind = {"answer_loss": bool, "fwe_alpha": (int, float), "needle_depth": (int, float)}.get(f.name, int)
+            kind = {"answer_loss": bool, "question_first": bool, "fwe_alpha": (int, float),
+                    "needle_depth": (int, float), "drill": (int, float)}.get(f.name, int)  # fmt: skip
             if type(value) is bool and kind is not bool or not isinstance(value, kind):
                 raise SettingError(f.name, f"long-context setting {f.name} must be "
                                            f"{getattr(kind, '__name__', 'a number')}, got {value!r}")  # fmt: skip
@@ -128,6 +150,14 @@ class LongContextSettings:
         self._check("subtasks", bool(self.subtasks) and not unknown and len(set(self.subtasks)) == len(self.subtasks),
                     f"a non-empty list of distinct subtasks of {SUBTASKS}")
         self._check("seed", self.seed >= 0, ">= 0")
+        self._check("needles", self.needles in NEEDLE_KINDS, f"one of {NEEDLE_KINDS}")
+        self._check("drill", 0 <= self.drill < 1, "in [0, 1): a share of the train split")
+        if self.drill:
+            self._check("needles", self.needles == "fused", "'fused' for a drill (its pairs are the fused tokens)")
+            self._check("drill_pairs", 1 <= self.drill_pairs <= min(self.n_keys, self.drill_context),
+                        f"in [1, {min(self.n_keys, self.drill_context)}]: distinct keys placed in the drill's "
+                        f"context of {self.drill_context}")  # fmt: skip
+            self._check("seq_len", self.seq_len - 2 - self.drill_context >= 2, ">= 7: a drill query after its context")
         for name in ("n_keys", "n_values", "n_words", "multikey_needles", "multivalue_values", "multiquery_queries",
                      "vt_chains", "vt_hops", "cwe_words", "cwe_ratio", "fwe_words", "qa_docs", "n_train",
                      "n_validation", "n_test"):  # fmt: skip
@@ -151,7 +181,8 @@ class LongContextSettings:
             self._check("n_values", self.n_values >= self.vt_chains, f">= vt_chains={self.vt_chains} (distinct chain values)")
         if "qa" in self.subtasks:
             self._check("n_values", self.n_values >= self.qa_docs, f">= qa_docs={self.qa_docs} (distinct facts)")
-        self._check("n_keys + n_values + n_words", self.vocab_size <= MAX_VOCAB, f"<= {MAX_VOCAB} (uint16 tokens)")
+        self._check("n_keys + n_values + n_words", self.vocab_size <= MAX_VOCAB, f"<= {MAX_VOCAB} (uint16 tokens, "
+                    f"the pair tokens of needles 'fused' included)")
         for task in self.subtasks:
             c, items = self.context_len(task), self._items(task)
             self._check("seq_len", c >= items, f"long enough for {task}'s {items} item tokens in its context of {c}")
@@ -198,8 +229,35 @@ class LongContextSettings:
         return self.value_start + self.n_values
 
     @property
-    def vocab_size(self) -> int:
+    def pair_start(self) -> int:
+        """The fused pair tokens (needles "fused"): key-value, then key-key, then word-value."""
         return self.word_start + self.n_words
+
+    @property
+    def vocab_size(self) -> int:
+        pairs = self.n_keys * self.n_values + self.n_keys * self.n_keys + self.n_words * self.n_values
+        return self.pair_start + (pairs if self.needles == "fused" else 0)
+
+    def statement(self, a: int, b: int) -> list[int]:
+        """The statement "a = b" (token ids; a: a key or a word, b: a value or a key): three
+        tokens, or with needles "fused" one pair token."""
+        if self.needles == "tokens":
+            return [a, ASSIGN_ID, b]
+        kv, kk = self.n_keys * self.n_values, self.n_keys * self.n_keys
+        if self.key_start <= a < self.value_start and self.value_start <= b < self.word_start:
+            return [self.pair_start + (a - self.key_start) * self.n_values + b - self.value_start]
+        if self.key_start <= a < self.value_start and self.key_start <= b < self.value_start:
+            return [self.pair_start + kv + (a - self.key_start) * self.n_keys + b - self.key_start]
+        return [self.pair_start + kv + kk + (a - self.word_start) * self.n_values + b - self.value_start]
+
+    @property
+    def statement_len(self) -> int:
+        return NEEDLE if self.needles == "tokens" else 1
+
+    @property
+    def drill_context(self) -> int:
+        """Words (and pairs) before a drill example's queries: the first half of the example."""
+        return self.seq_len // 2
 
     # -- layout --
     def question_len(self, task: str) -> int:
@@ -214,15 +272,16 @@ class LongContextSettings:
         return self.seq_len - 3 - self.question_len(task) - self.answer_len(task)
 
     def prompt_len(self, task: str) -> int:
-        """Tokens through the <|query|> marker."""
+        """Tokens before the answer: through the <|query|> marker, or with question_first
+        through the question's last argument."""
         return self.seq_len - 1 - self.answer_len(task)
 
     def _items(self, task: str) -> int:
         """Context tokens a subtask's needles, statements or documents take (at least)."""
-        return {"niah_single": NEEDLE, "niah_multikey": NEEDLE * self.multikey_needles,
-                "niah_multivalue": NEEDLE * self.multivalue_values, "niah_multiquery": NEEDLE * self.multiquery_queries,
-                "vt": NEEDLE * self.vt_chains * (self.vt_hops + 1), "cwe": 1, "fwe": 1,
-                "qa": (2 + NEEDLE) * self.qa_docs}[task]  # fmt: skip
+        n = self.statement_len
+        return {"niah_single": n, "niah_multikey": n * self.multikey_needles,
+                "niah_multivalue": n * self.multivalue_values, "niah_multiquery": n * self.multiquery_queries,
+                "vt": n * self.vt_chains * (self.vt_hops + 1), "cwe": 1, "fwe": 1, "qa": (2 + n) * self.qa_docs}[task]
 
     def cwe_counts(self) -> tuple[int, int] | None:
         """(occurrences of each common word, most occurrences of any other): the least common
@@ -253,9 +312,13 @@ class LongContextSettings:
             "question_lengths": {task: self.question_len(task) for task in self.subtasks},
             "answer_lengths": {task: self.answer_len(task) for task in self.subtasks},
             "query_id": QUERY_ID,
+            "question_first": self.question_first,
+            "needles": self.needles,
+            "drill": self.drill,
             "key_ids": [self.key_start, self.value_start],
             "value_ids": [self.value_start, self.word_start],
-            "word_ids": [self.word_start, self.vocab_size],
+            "word_ids": [self.word_start, self.pair_start],
+            "pair_ids": [self.pair_start, self.vocab_size],
             "ruler_tasks": {task: RULER_TASK[task] for task in self.subtasks},
             "metric": {task: "string_match_part" if task in PART_SCORED else "string_match_all" for task in self.subtasks},
         }
@@ -281,7 +344,12 @@ def vocabulary(settings: LongContextSettings) -> dict[str, int]:
         return [f"{letter}{i:0{width}d}" for i in range(n)]
 
     names = [*RECALL_SPECIALS, "=", "<|doc|>", *(f"<|{task}|>" for task in SUBTASKS)]
-    names += group("k", settings.n_keys) + group("v", settings.n_values) + group("w", settings.n_words)
+    keys, values, words = group("k", settings.n_keys), group("v", settings.n_values), group("w", settings.n_words)
+    names += keys + values + words
+    if settings.needles == "fused":
+        # Pair tokens named without the letters k, v, w: no answer name is a substring of one.
+        for letter, left, right in (("a", keys, values), ("c", keys, keys), ("f", words, values)):
+            names += [f"{letter}{a[1:]}_{b[1:]}" for a in left for b in right]
     return {name: i for i, name in enumerate(names)}
 
 
@@ -318,13 +386,13 @@ def _example(s: LongContextSettings, task: str, rng) -> tuple[list, list, np.nda
         keys, values = choose(s.n_keys, m), rng.integers(0, s.n_values, size=m)
         first = None
         if task == "niah_single" and s.needle_depth is not None:
-            first = int(round(s.needle_depth * (c - NEEDLE)))
-        _insert(context, rng, [[key(k), ASSIGN_ID, value(v)] for k, v in zip(keys, values)], first)
+            first = int(round(s.needle_depth * (c - s.statement_len)))
+        _insert(context, rng, [s.statement(key(k), value(v)) for k, v in zip(keys, values)], first)
         asked = rng.permutation(m) if task == "niah_multiquery" else [int(rng.integers(m))]
         return [key(keys[i]) for i in asked], [value(values[i]) for i in asked], context
     if task == "niah_multivalue":
         k, values = key(rng.integers(s.n_keys)), choose(s.n_values, s.multivalue_values)
-        _insert(context, rng, [[k, ASSIGN_ID, value(v)] for v in values])
+        _insert(context, rng, [s.statement(k, value(v)) for v in values])
         return [k], [value(v) for v in values], context
     if task == "vt":
         hops = s.vt_hops + 1
@@ -336,7 +404,7 @@ def _example(s: LongContextSettings, task: str, rng) -> tuple[list, list, np.nda
         for chain in order:
             j = step[chain]
             source = value(values[chain]) if j == 0 else key(names[chain, j - 1])
-            statements.append([key(names[chain, j]), ASSIGN_ID, source])
+            statements.append(s.statement(key(names[chain, j]), source))
             step[chain] += 1
         _insert(context, rng, statements)
         chain = int(rng.integers(s.vt_chains))
@@ -364,7 +432,7 @@ def _example(s: LongContextSettings, task: str, rng) -> tuple[list, list, np.nda
     for title, v, size in zip(titles, values, sizes):
         doc = context[start : start + size]
         doc[:2] = DOC_ID, key(title)
-        _insert(doc[2:], rng, [[attribute, ASSIGN_ID, value(v)]])
+        _insert(doc[2:], rng, [s.statement(attribute, value(v))])
         start += size
     asked = int(rng.integers(s.qa_docs))
     return [key(titles[asked]), attribute], [value(values[asked])], context
@@ -377,14 +445,61 @@ def generate_examples(settings: LongContextSettings, n: int, rng: np.random.Gene
     for i in range(n):
         task = s.subtasks[i % len(s.subtasks)]
         question, answer, context = _example(s, task, rng)
-        x[i] = [BOS_ID, *context, TASK_START + SUBTASKS.index(task), *question, QUERY_ID, *answer, EOS_ID]
+        task_id = TASK_START + SUBTASKS.index(task)
+        prompt = [task_id, QUERY_ID, *question] if s.question_first else [task_id, *question, QUERY_ID]
+        x[i] = [BOS_ID, *context, *prompt, *answer, EOS_ID]
     return x
+
+
+def drill_example(settings: LongContextSettings, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    """(tokens, target positions) of one drill example: ``drill_pairs`` pair tokens (distinct
+    keys) at random places among ``drill_context`` words after <|bos|>, then queries ``k v`` (a
+    pair's key, its value: the answer predicted at the key, as question_first asks it) as many as
+    fit, <|endoftext|> after. The targets are the values."""
+    s = settings
+    context = s.word_start + rng.integers(0, s.n_words, size=s.drill_context)
+    keys, values = rng.choice(s.n_keys, size=s.drill_pairs, replace=False), rng.integers(0, s.n_values, s.drill_pairs)
+    places = np.sort(rng.choice(s.drill_context, size=s.drill_pairs, replace=False))
+    context[places] = [s.statement(s.key_start + int(k), s.value_start + int(v))[0] for k, v in zip(keys, values)]
+    row, targets = [BOS_ID, *context.tolist()], []
+    for j in rng.integers(0, s.drill_pairs, size=(s.seq_len - 1 - len(row)) // 2):
+        row += [s.key_start + int(keys[j]), s.value_start + int(values[j])]
+        targets.append(len(row) - 1)
+    return row + [EOS_ID] * (s.seq_len - len(row)), targets
+
+
+def is_drill(i: int, share: float) -> bool:
+    """Whether row i of a train split is a drill example: floor(i * share) steps up at row i, so
+    the drill rows are spread evenly, about ``share`` of any stretch of rows."""
+    return share > 0 and math.floor((i + 1) * share) > math.floor(i * share)
+
+
+def generate_split(settings: LongContextSettings, split: str, n: int, rng) -> tuple[np.ndarray, np.ndarray | None]:
+    """(examples, answer mask or None) of a split: the suite's examples, and in the train split
+    the drill's rows among them (:func:`is_drill`; the suite's rows still cycle through the
+    subtasks in order)."""
+    s = settings
+    drill = s.drill if split == "train" else 0.0
+    rows = [is_drill(i, drill) for i in range(n)]
+    suite = generate_examples(s, n - sum(rows), rng)
+    x, mask = np.empty((n, s.seq_len), dtype=np.int64), np.zeros((n, s.seq_len), dtype=np.uint8)
+    answers, j = iter(find_answers(suite, s.layout())), 0
+    for i, drilled in enumerate(rows):
+        if drilled:
+            x[i], targets = drill_example(s, rng)
+            mask[i, targets] = 1
+        else:
+            x[i], (_, prompt) = suite[j], next(answers)
+            mask[i, prompt : s.seq_len - 1] = 1
+            j += 1
+    return x, mask if s.answer_loss else None
 
 
 def find_answers(examples: np.ndarray, layout: dict) -> list[tuple[str, int]]:
     """(subtask, prompt length) of each example; the answer is examples[i, prompt : seq_len - 1].
-    An example holds one task token, its question's arguments, then the one <|query|> marker;
-    raises DataError when the examples do not follow the layout."""
+    An example holds one task token, its question's arguments and the one <|query|> marker (after
+    the arguments, or with question_first right after the task token); raises DataError when the
+    examples do not follow the layout."""
     examples = np.asarray(examples)
     n, length = examples.shape
     if length != layout["seq_len"]:
@@ -392,14 +507,17 @@ def find_answers(examples: np.ndarray, layout: dict) -> list[tuple[str, int]]:
     by_id = {tid: task for task, tid in layout["task_ids"].items()}
     is_task, is_mark = np.isin(examples, list(by_id)), examples == layout["query_id"]
     ok = (is_task.sum(1) == 1) & (is_mark.sum(1) == 1) & (examples[:, 0] == BOS_ID) & (examples[:, -1] == EOS_ID)
-    task_pos, prompts = is_task.argmax(1), is_mark.argmax(1) + 1
+    task_pos, mark_pos = is_task.argmax(1), is_mark.argmax(1)
+    first = layout.get("question_first", False)
     out = []
     for i in range(n):
         task = by_id.get(int(examples[i, task_pos[i]]))
-        if task is None or prompts[i] != layout["prompt_lengths"][task] \
-                or prompts[i] - 1 - task_pos[i] != layout["question_lengths"][task]:
+        q_len = layout["question_lengths"].get(task, 0)
+        prompt = int(task_pos[i]) + q_len + 1
+        if task is None or prompt != layout["prompt_lengths"][task] \
+                or mark_pos[i] != (task_pos[i] + 1 if first else task_pos[i] + q_len):
             ok[i] = False
-        out.append((task, int(prompts[i])))
+        out.append((task, prompt))
     if not ok.all():
         raise DataError(f"{int((~ok).sum())} of {n} examples break the long-context layout "
                         f"(first: example {int(np.argmin(ok))})")  # fmt: skip
@@ -414,13 +532,7 @@ def write_longctx_corpus(settings: LongContextSettings, out_dir) -> dict:
     layout = settings.layout()
 
     def make_split(split):
-        examples = generate_examples(settings, getattr(settings, f"n_{split}"), split_rng(settings.seed, split))
-        if not settings.answer_loss:
-            return examples, None
-        mask = np.zeros(examples.shape, dtype=np.uint8)
-        for i, (_, prompt) in enumerate(find_answers(examples, layout)):
-            mask[i, prompt : settings.seq_len - 1] = 1
-        return examples, mask
+        return generate_split(settings, split, getattr(settings, f"n_{split}"), split_rng(settings.seed, split))
 
     stored = asdict(settings) | {"subtasks": list(settings.subtasks)}  # as JSON holds it
     meta = {"vocab_size": settings.vocab_size, "source": SOURCE, "longctx": layout, "settings": stored}
@@ -487,13 +599,21 @@ def needle_depths(examples: np.ndarray, answers: list[tuple[str, int]], layout: 
     """The asked needle's depth per example of NEEDLE_TASKS (row -> its start as a share of the
     places a needle could start, 0 .. 1, as ``needle_depth`` places it): the asked key, which
     only its needle holds in the context."""
-    out = {}
+    out, fused = {}, layout.get("needles", "tokens") == "fused"
+    (k0, _), (v0, v1) = layout["key_ids"], layout["value_ids"]
     for i, (task, prompt) in enumerate(answers):
         if task not in NEEDLE_TASKS:
             continue
-        key = examples[i, prompt - 2]  # the question: task token, key, <|query|>
-        context = examples[i, 1 : prompt - 1 - layout["question_lengths"][task]]
-        out[i] = float(np.flatnonzero(context == key)[0] / (len(context) - NEEDLE))
+        q_len = layout["question_lengths"][task]
+        # the question's key: <|task|> k <|query|>, or <|task|> <|query|> k
+        key = examples[i, prompt - q_len + int(layout.get("question_first", False))]
+        context = examples[i, 1 : prompt - 1 - q_len]
+        if fused:  # the needle is the pair token of that key (LongContextSettings.statement)
+            first = layout["pair_ids"][0] + (key - k0) * (v1 - v0)
+            at = np.flatnonzero((context >= first) & (context < first + v1 - v0))
+        else:
+            at = np.flatnonzero(context == key)
+        out[i] = float(at[0] / (len(context) - (1 if fused else NEEDLE)))
     return out
 
 

@@ -644,9 +644,9 @@ def check_references(p: Plan) -> None:
             seen[name] = i
 
 
-# The suite's generator settings a model's vocabulary depends on (dimattn.longctx.vocabulary:
+# The suite's generator settings a model's vocabulary and layout depend on (dimattn.longctx.vocabulary:
 # every subtask's task token is in it whatever the corpus asks): corpora scored together share them.
-LONGCTX_VOCABULARY = ("n_keys", "n_values", "n_words")
+LONGCTX_VOCABULARY = ("n_keys", "n_values", "n_words", "needles", "question_first")
 
 
 def _check_longctx(p: Plan) -> None:
@@ -666,7 +666,7 @@ def _check_longctx(p: Plan) -> None:
             if differ:
                 raise ConfigError(f"datasets.{name}.{differ[0]}",
                                   f"{datasets[name].get(differ[0])!r} differs from {p.runs[run].dataset!r}'s "
-                                  f"{own.get(differ[0])!r}, on which run {run!r} is trained: its vocabulary differs")
+                                  f"{own.get(differ[0])!r}, on which run {run!r} is trained: its vocabulary or layout differs")
             # a subtask the run never saw asked of it: its task token was never trained
             unseen = [t for t in datasets[name].get("subtasks", SUITE_SUBTASKS)
                       if t not in own.get("subtasks", SUITE_SUBTASKS)]  # fmt: skip

@@ -3,6 +3,7 @@ answer recovered from its context by a naive solver written from the subtask's d
 refusals, the corpus files, greedy generation through the cache, and lm-eval's metric on
 hand-made predictions."""
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -29,8 +30,20 @@ def solve(settings, x) -> list[int]:
     tokens = [names[int(t)] for t in x]
     task = next(t[2:-2] for t in tokens if t[2:-2] in SUBTASKS)
     start = tokens.index(f"<|{task}|>")
-    context, args = tokens[1:start], tokens[start + 1 : tokens.index("<|query|>")]
-    triples = [(context[i - 1], context[i + 1]) for i in range(1, len(context) - 1) if context[i] == "="]
+    context = tokens[1:start]
+    if settings.question_first:  # <|task|> <|query|> arguments answer
+        args = tokens[start + 2 : start + 1 + settings.question_len(task)]
+    else:  # <|task|> arguments <|query|> answer
+        args = tokens[start + 1 : tokens.index("<|query|>")]
+    def statements(tokens):
+        """The statements (a, b) of a stretch of context, in order."""
+        if settings.needles == "fused":  # one pair token each: a03_05 is k03 = v05, c03_05 k03 = k05, f03_05 w03 = v05
+            sides = {"a": ("k", "v"), "c": ("k", "k"), "f": ("w", "v")}
+            pairs = [(t[0], *t[1:].split("_")) for t in tokens if t[0] in sides and "_" in t]
+            return [(sides[kind][0] + a, sides[kind][1] + b) for kind, a, b in pairs]
+        return [(tokens[i - 1], tokens[i + 1]) for i in range(1, len(tokens) - 1) if tokens[i] == "="]
+
+    triples = statements(context)
     vocab = vocabulary(settings)
     if task in ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"):
         answer = [b for key in args for a, b in triples if a == key]
@@ -51,7 +64,7 @@ def solve(settings, x) -> list[int]:
         title, attribute = args
         doc = context[context.index(title) - 1 :]
         doc = doc[: doc.index("<|doc|>", 1)] if "<|doc|>" in doc[1:] else doc
-        answer = [doc[i + 1] for i in range(1, len(doc) - 1) if doc[i] == "=" and doc[i - 1] == attribute]
+        answer = [b for a, b in statements(doc) if a == attribute]
     return [vocab[a] for a in answer]
 
 
@@ -97,6 +110,109 @@ def test_every_generated_answer_is_recovered_from_its_context(task, seq_len):
         assert solve(s, row) == list(row[prompt:-1])
 
 
+KEY_ASKED = dict(needles="fused", question_first=True)  # the layout small models learn (module docstring)
+
+# The same, hand-written in the key-asked layout: one pair token a statement, the question after <|query|>.
+HAND_KEY_ASKED = {
+    "niah_multikey": (dict(multikey_needles=2),
+                      "<|bos|> a01_02 w05 a03_04 w00 <|niah_multikey|> <|query|> k03 v04 <|endoftext|>"),
+    "niah_multiquery": (dict(multiquery_queries=2),
+                        "<|bos|> a00_03 w01 a07_05 w02 <|niah_multiquery|> <|query|> k07 k00 v05 v03 <|endoftext|>"),
+    "vt": (dict(vt_chains=2, vt_hops=1), "<|bos|> a01_04 a02_05 w00 c03_02 c04_01 w07 <|vt|> <|query|> v05 k02 k03 <|endoftext|>"),
+    "qa": (dict(qa_docs=2), "<|bos|> <|doc|> k01 f03_02 w00 <|doc|> k05 w00 f03_06 <|qa|> <|query|> k05 w03 v06 <|endoftext|>"),
+    "cwe": (dict(cwe_words=1, cwe_ratio=2, n_words=3), "<|bos|> w2 w0 w2 w1 w2 w2 <|cwe|> <|query|> w2 <|endoftext|>"),
+}
+
+
+@pytest.mark.parametrize("task", sorted(HAND_KEY_ASKED))
+def test_a_hand_written_example_in_the_key_asked_layout(task):
+    changes, text = HAND_KEY_ASKED[task]
+    s = LongContextSettings(**{**SMALL, **changes, **KEY_ASKED, "seq_len": len(text.split()), "subtasks": (task,)})
+    x = np.array(ids(s, text))
+    ((found, prompt),) = find_answers(x[None], s.layout())
+    question = s.question_len(task) - 1
+    answer = text.split("<|query|>")[1].split()[question:-1]
+    assert found == task and list(x[prompt:-1]) == ids(s, " ".join(answer))
+    assert solve(s, x) == list(x[prompt:-1])
+    ruler = dataclasses.replace(s, question_first=False).layout()  # the question before <|query|>
+    if s.question_len(task) > 1:  # read with the other layout, an example with arguments is refused
+        with pytest.raises(DataError, match="break the long-context layout"):
+            find_answers(x[None], ruler)
+    else:  # cwe and fwe have none: both layouts are one
+        assert find_answers(x[None], ruler) == [(task, prompt)]
+
+
+@pytest.mark.parametrize("task", SUBTASKS)
+@pytest.mark.parametrize("question_first", [False, True])
+def test_every_answer_of_the_fused_layouts_is_recovered_from_its_context(task, question_first):
+    s = LongContextSettings(**SMALL, seq_len=96, subtasks=(task,), needles="fused", question_first=question_first)
+    x = generate_examples(s, 40, np.random.default_rng(7))
+    assert x.max() < s.vocab_size
+    for row, (found, prompt) in zip(x, find_answers(x, s.layout())):
+        assert found == task and prompt == s.prompt_len(task)
+        assert solve(s, row) == list(row[prompt:-1])
+        if task not in ("cwe", "fwe"):
+            assert 5 not in row  # no "=": every statement is one pair token
+
+
+def test_the_drill_asks_each_pair_at_its_key_and_only_the_train_split_holds_it(tmp_path):
+    s = LongContextSettings(**{**SMALL, **KEY_ASKED, "seq_len": 64, "n_train": 40, "drill": 0.25, "drill_pairs": 6})
+    metas = write_longctx_corpus(s, tmp_path / "suite")
+    names = {i: n for n, i in vocabulary(s).items()}
+    tokens, meta = load_tokens(tmp_path / "suite/tokens/train.bin")
+    x = np.asarray(tokens).reshape(40, 64)
+    mask = np.asarray(load_loss_mask(tmp_path / "suite/tokens/train.bin", meta)).reshape(x.shape)
+    drill = [i for i, row in enumerate(x) if not set(row) & set(meta["longctx"]["task_ids"].values())]
+    assert len(drill) == 10 and drill == [3, 7, 11, 15, 19, 23, 27, 31, 35, 39]  # a quarter, spread evenly
+    suite = [i for i in range(40) if i not in drill]
+    assert [t for t, _ in find_answers(x[suite], meta["longctx"])] == [s.subtasks[i % 8] for i in range(30)]
+    for i, (_, prompt) in zip(suite, find_answers(x[suite], meta["longctx"])):
+        assert np.flatnonzero(mask[i]).tolist() == list(range(prompt, 63))
+    for i in drill:  # naive: each query is a key; its target the value of that key's pair in the first half
+        row = [names[int(t)] for t in x[i]]
+        pairs = {"k" + t[1:].split("_")[0]: "v" + t.split("_")[1] for t in row[1:33] if t.startswith("a")}
+        assert len(pairs) == 6 and all(t.startswith("w") or t.startswith("a") for t in row[1:33])
+        targets = np.flatnonzero(mask[i]).tolist()
+        assert targets == list(range(34, 64, 2)) and all(row[t] == pairs[row[t - 1]] for t in targets)
+        assert row[63] == "<|endoftext|>"
+    for split in ("validation", "test"):  # the suite alone
+        assert metas[split]["n_examples"] == 16
+        find_answers(np.asarray(load_tokens(tmp_path / f"suite/tokens/{split}.bin")[0]).reshape(16, 64), meta["longctx"])
+    # without the drill, the train split is the suite's examples as generate_examples draws them
+    plain = LongContextSettings(**{**SMALL, **KEY_ASKED, "seq_len": 64, "n_train": 40})
+    from dimattn.longctx import generate_split
+    from dimattn.recall import split_rng
+
+    x0, m0 = generate_split(plain, "train", 40, split_rng(0, "train"))
+    assert np.array_equal(x0, generate_examples(plain, 40, split_rng(0, "train"))) and m0.sum() > 0
+
+
+def test_the_needle_depth_of_a_fused_needle_is_its_pair_token():
+    s = LongContextSettings(**{**SMALL, **KEY_ASKED, "seq_len": 96})
+    x = generate_examples(s, 40, np.random.default_rng(3))
+    answers = find_answers(x, s.layout())
+    depths = needle_depths(x, answers, s.layout())
+    assert sorted(depths) == sorted([*range(0, 40, 8), *range(1, 40, 8)])
+    names = {i: n for n, i in vocabulary(s).items()}
+    for i, depth in depths.items():  # the pair token at that depth holds the asked key and the answer
+        c = s.context_len(answers[i][0])
+        pair = names[int(x[i, 1 + round(depth * (c - 1))])]
+        assert pair == f"a{names[int(x[i, -3])][1:]}_{names[int(x[i, -2])][1:]}"
+    for depth in (0.0, 1.0):
+        d = LongContextSettings(**{**SMALL, **KEY_ASKED, "seq_len": 96, "subtasks": ("niah_single",), "needle_depth": depth})
+        rows = generate_examples(d, 3, np.random.default_rng(1))
+        assert needle_depths(rows, find_answers(rows, d.layout()), d.layout()) == {0: depth, 1: depth, 2: depth}
+
+
+def test_a_pair_token_predicted_matches_no_answer_name():
+    s = LongContextSettings(**SMALL, **KEY_ASKED)
+    names = list(vocabulary(s))
+    v = {n: i for i, n in enumerate(names)}
+    assert len(names) == s.vocab_size == len(set(names))
+    result = score_predictions(["niah_single"] * 2, [[v["a01_02"]], [v["v02"]]], [[v["v02"]]] * 2, names)
+    assert result["subtasks"]["niah_single"] == {"score": 50.0, "exact": 50.0, "n": 2}
+
+
 def test_examples_cycle_through_the_subtasks_and_depth_places_the_needle():
     s = LongContextSettings(**SMALL, seq_len=128)
     x = generate_examples(s, 2 * len(SUBTASKS), np.random.default_rng(0))
@@ -137,6 +253,11 @@ REFUSED = {
                                            "seq_len must be long enough for 5 common words"),
     "unknown subtask": (dict(subtasks=("niah_single", "passkey")), "subtasks"),
     "a float count": (dict(n_keys=12.0), "n_keys must be int"),
+    "an unknown needle kind": (dict(needles="words"), "needles must be one of"),
+    "a drill without pair tokens": (dict(drill=0.25), "needles must be 'fused' for a drill"),
+    "a drill of every example": (dict(needles="fused", drill=1.0), "drill must be in \\[0, 1\\)"),
+    "more drill pairs than keys": (dict(needles="fused", drill=0.25, drill_pairs=13), "drill_pairs must be in \\[1, 12\\]"),
+    "pair tokens beyond uint16": (dict(needles="fused", n_keys=150, n_values=150, n_words=150), "uint16 tokens"),
 }
 
 

@@ -302,6 +302,10 @@ BAD = {
                                         "evaluation.longctx.datasets[0]: 'recall' is not a synthetic_longctx corpus"),
     "suite scored in another vocabulary": (lambda c: (with_long(c), c["datasets"]["longctx_x2"].update(n_keys=32)),
                                            "datasets.longctx_x2.n_keys: 32 differs from 'longctx'"),
+    "suite scored in another layout": (lambda c: (with_long(c), c["datasets"]["longctx"].update(question_first=True)),
+                                       "datasets.longctx_x2.question_first: False differs from 'longctx''s True"),
+    "a drill of the whole train split": (lambda c: (with_long(c), c["datasets"]["longctx"].update(drill=1.0)),
+                                         "On instance['datasets']['longctx']['drill']"),
     "suite run captured off its examples": (
         lambda c: (with_long(c), c["dimpo"]["models"].append({"name": "x", "run": "long-vanilla"})),
         "dimpo.models[1].capture.seq_len: 256 is not the example length 128 of 'longctx'"),
