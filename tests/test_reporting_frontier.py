@@ -120,3 +120,16 @@ def test_the_figure_draws_a_panel_per_probe(raw, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="kv_frontier summary's rows; it is empty"):
         frontier.points(pd.DataFrame(columns=df.columns))
+
+
+def test_a_point_is_named_once_by_objective_sizes_and_compression():
+    """The figure's key: the compression named once (not in the family and again after it), the
+    base model as "base", compressed or not."""
+    row = {"source": "projected", "family": "kl+kivi", "objective": "kl", "d_prime": 16, "num_projected": 3,
+           "n_layers": 6, "kv_method": "kivi", "kv_level": 2}  # fmt: skip
+    assert frontier.label(row) == "kl d'=16 l=3/6 kivi 2"
+    base = row | {"family": "snapkv", "objective": "base", "kv_method": "snapkv", "kv_level": 32}
+    assert frontier.label(base) == "base snapkv 32"
+    assert frontier.label(base | {"family": "vanilla", "kv_method": None}) == "base"
+    run = {"source": "run", "family": "dar", "d_down": 16.0, "window": 32.0, "dilation": float("nan")}
+    assert frontier.label(run) == "dar d_down=16 w=32"

@@ -55,7 +55,8 @@ def label(row) -> str:
             if not pd.isna(row.get(field)):
                 parts.append(f"{short}={int(row[field])}")
         return " ".join(parts)
-    parts = [row["family"]]
+    family = row["family"].split("+")[0]  # "kl+snapkv": the compression is named below
+    parts = ["base" if row["objective"] == "base" else family]  # the base model, compressed or not
     if row["objective"] != "base":
         parts += [f"d'={int(row['d_prime'])}", f"l={int(row['num_projected'])}/{int(row['n_layers'])}"]
     if row.get("kv_method") not in (None, "none") and not pd.isna(row.get("kv_method")):
@@ -74,6 +75,8 @@ def figure(df: pd.DataFrame, path: Path) -> Path:
     """A panel per probe: x the measured cache bytes per token (log2), y quality in % of its base
     (perplexity: lower is better, the axis says so), the Pareto front as a step line, its points
     named."""
+    from matplotlib.lines import Line2D
+
     pts = points(df)
     probes = list(dict.fromkeys(pts["probe"]))
     ncols, nrows = plots.panel_grid(len(probes), max_cols=2)
@@ -90,9 +93,15 @@ def figure(df: pd.DataFrame, path: Path) -> Path:
             front = part[part["pareto"]]
             ax.step(front["cache_bytes_per_token"], front["rel_to_base"], where="post", color="black", lw=1,
                     alpha=0.6, label="Pareto front")  # fmt: skip
-            for _, row in front.iterrows():
-                ax.annotate(label(row), (row["cache_bytes_per_token"], row["rel_to_base"]), fontsize="x-small",
-                            xytext=(4, 4 if higher else -10), textcoords="offset points")  # fmt: skip
+            # Front points nearly equal in bytes would write their names over one another: each
+            # gets a number at the point, and the panel a key of numbered names.
+            for n, (_, row) in enumerate(front.iterrows(), 1):
+                ax.annotate(str(n), (row["cache_bytes_per_token"], row["rel_to_base"]), fontsize="x-small",
+                            xytext=(3, 4 if higher else -10), textcoords="offset points", weight="bold")  # fmt: skip
+            # the key as a legend of empty handles: loc="best" keeps it off the points
+            names = [f"{n} {label(row)}" for n, (_, row) in enumerate(front.iterrows(), 1)]
+            ax.legend([Line2D([], [], linestyle="none")] * len(names), names, loc="best", fontsize="x-small",
+                      handlelength=0, handletextpad=0, framealpha=0.8)  # fmt: skip
             ax.axhline(100, color="0.6", lw=0.8, ls="--")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("KV-cache bytes per token (measured, model dtype)")
