@@ -483,15 +483,14 @@ def generate_split(settings: LongContextSettings, split: str, n: int, rng) -> tu
     rows = [is_drill(i, drill) for i in range(n)]
     suite = generate_examples(s, n - sum(rows), rng)
     x, mask = np.empty((n, s.seq_len), dtype=np.int64), np.zeros((n, s.seq_len), dtype=np.uint8)
-    answers, j = iter(find_answers(suite, s.layout())), 0
+    suite_rows = zip(suite, find_answers(suite, s.layout()))
     for i, drilled in enumerate(rows):
         if drilled:
             x[i], targets = drill_example(s, rng)
             mask[i, targets] = 1
         else:
-            x[i], (_, prompt) = suite[j], next(answers)
+            x[i], (_, prompt) = next(suite_rows)
             mask[i, prompt : s.seq_len - 1] = 1
-            j += 1
     return x, mask if s.answer_loss else None
 
 

@@ -95,11 +95,12 @@ def figure(df: pd.DataFrame, path: Path) -> Path:
                     alpha=0.6, label="Pareto front")  # fmt: skip
             # Front points nearly equal in bytes would write their names over one another: each
             # gets a number at the point, and the panel a key of numbered names.
+            names = []
             for n, (_, row) in enumerate(front.iterrows(), 1):
                 ax.annotate(str(n), (row["cache_bytes_per_token"], row["rel_to_base"]), fontsize="x-small",
                             xytext=(3, 4 if higher else -10), textcoords="offset points", weight="bold")  # fmt: skip
+                names.append(f"{n} {label(row)}")
             # the key as a legend of empty handles: loc="best" keeps it off the points
-            names = [f"{n} {label(row)}" for n, (_, row) in enumerate(front.iterrows(), 1)]
             ax.legend([Line2D([], [], linestyle="none")] * len(names), names, loc="best", fontsize="x-small",
                       handlelength=0, handletextpad=0, framealpha=0.8)  # fmt: skip
             ax.axhline(100, color="0.6", lw=0.8, ls="--")
