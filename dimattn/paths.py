@@ -119,6 +119,12 @@ def fidelity(model: str, objective: str, setting: str, d_prime, seed) -> str:
     return f"{DIMPO}/{model}/fidelity/{objective}/{setting}/d{d_prime}-s{seed}.csv"
 
 
+def fit_partial(model: str, objective: str, setting: str, d_prime) -> str:
+    """Where a fit_projection job keeps each seed's fit until all are written (under CHECKPOINTS:
+    not a Snakemake output, so a retry finds them)."""
+    return f"{CHECKPOINTS}/{PurePosixPath(projection(model, objective, setting, d_prime, 0)).parent.relative_to(RESULTS)}/d{d_prime}"
+
+
 def prefetched() -> str:
     """Marker of the prefetch rule: the hub models and lm-eval task data are in the HF cache."""
     return f"{DIMPO}/prefetched.json"

@@ -29,7 +29,9 @@ fidelity) follows that rule, so the objectives fit F on the keys the layer reall
 """
 
 import csv
+import json
 import math
+import shutil
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -842,6 +844,48 @@ def fidelity_to_file(capture_path, projections_path, out_csv, model_name: str, o
     return rows
 
 
+def _file_identity(path: Path) -> list:
+    stat = Path(path).stat()
+    return [str(path), stat.st_size, stat.st_mtime_ns]
+
+
+def fit_seeds_to_files(fit_capture, eval_capture, objective: str, d_prime: int, hparams, seeds, projections_out,
+                       fidelity_out, partial_dir, model_name: str, setting: str = "default",
+                       device: str = "cpu") -> None:  # fmt: skip
+    """One fit_projection job: :func:`fit_to_file` and :func:`fidelity_to_file` for each fit seed
+    of ``seeds`` (dimpo.seeds) in turn, into ``projections_out[i]`` and ``fidelity_out[i]``.
+
+    One process for every seed: a job's start (torch's import, the captures' first read) cost as
+    much as a small fit, and cpu-full fitted each seed in a job of its own (792 jobs, 264 now).
+    Each finished seed is kept in ``partial_dir`` (not a Snakemake output: a failed job's outputs
+    are deleted, that folder is not) beside a record of what made it, the hparams and the
+    captures' size and mtime; a retry copies the seeds whose record matches and fits the rest.
+    The folder goes once every output is written."""
+    partial_dir = Path(partial_dir)
+    if not len(seeds) == len(projections_out) == len(fidelity_out):
+        raise ValueError(f"{len(seeds)} seeds for {len(projections_out)} projection and {len(fidelity_out)} "
+                         f"fidelity outputs")  # fmt: skip
+    spec = {"objective": objective, "d_prime": int(d_prime), "hparams": dict(hparams or {}), "setting": setting,
+            "fit_capture": _file_identity(fit_capture), "eval_capture": _file_identity(eval_capture)}
+    for seed, projections, fidelity in zip(seeds, projections_out, fidelity_out):
+        kept = partial_dir / f"s{seed}"
+        record = kept / "spec.json"
+        wanted = json.loads(json.dumps(spec | {"seed": int(seed)}))  # as it reads back
+        if not (record.is_file() and json.loads(record.read_text()) == wanted):
+            shutil.rmtree(kept, ignore_errors=True)
+            kept.mkdir(parents=True)
+            fit_to_file(fit_capture, objective, int(d_prime), {**spec["hparams"], "seed": int(seed)},
+                        kept / "projections.safetensors", device=device)
+            fidelity_to_file(eval_capture, kept / "projections.safetensors", kept / "fidelity.csv", model_name,
+                             objective, int(d_prime), setting=setting, device=device)
+            with atomic_file(record) as tmp:  # written last: the seed's files are whole
+                tmp.write_text(json.dumps(wanted))
+        for name, dest in (("projections.safetensors", projections), ("fidelity.csv", fidelity)):
+            with atomic_file(Path(dest)) as tmp:
+                shutil.copyfile(kept / name, tmp)
+    shutil.rmtree(partial_dir, ignore_errors=True)
+
+
 __all__ = [
     "PRESETS",
     "FitSettings",
@@ -854,6 +898,7 @@ __all__ = [
     "fit_layer",
     "fit_layers",
     "fit_projections",
+    "fit_seeds_to_files",
     "fit_to_file",
     "load_capture",
     "lockstep_group",

@@ -213,10 +213,11 @@ def capture(shape: dict | None, n_sequences: int, seq_len: int, capture_dtype: s
 
 
 def fit(shape: dict | None, n_fit: int, n_eval: int, seq_len: int, d_prime: int, hparams: dict,
-        resources: dict, device: str, cluster: dict) -> dict:  # fmt: skip
+        resources: dict, device: str, cluster: dict, seeds: int = 1) -> dict:  # fmt: skip
     """First-attempt {mem_mb, runtime} of a fit_projection job (module docstring), an upper bound
     over the objectives (every hparams.per_objective entry); configured floors kept, and the
-    configured values alone when the shape is unknown."""
+    configured values alone when the shape is unknown. ``seeds``: the fit seeds the job fits one
+    after the other (dimpo.seeds): the compute once for each, the start-up once."""
     floor = {"mem_mb": resources["mem_mb"], "runtime": resources["runtime"]}
     if shape is None:
         return floor
@@ -238,7 +239,7 @@ def fit(shape: dict | None, n_fit: int, n_eval: int, seq_len: int, d_prime: int,
     return {
         "mem_mb": max(floor["mem_mb"],
                       math.ceil(FIT_LAYER_COPIES * group * layer / MIB + cluster["overhead_mb"][device])),
-        "runtime": max(floor["runtime"], math.ceil(cluster["margin"] * seconds / 60 + cluster["startup_min"])),
+        "runtime": max(floor["runtime"], math.ceil(cluster["margin"] * seeds * seconds / 60 + cluster["startup_min"])),
     }
 
 
@@ -350,7 +351,8 @@ def first_attempts(plan) -> dict:
 
         def fit_asks(d_prime, shape=shape, cfg=cfg):
             return fit(shape, cfg["fit_sequences"], cfg["eval_sequences"], cfg["seq_len"], int(d_prime),
-                       plan.dimpo["hparams"], plan.dimpo["resources"], device, cluster)  # fmt: skip
+                       plan.dimpo["hparams"], plan.dimpo["resources"], device, cluster,
+                       seeds=len(plan.dimpo["seeds"]))  # fmt: skip
 
         widest = fit_asks(shape["head_dim"]) if shape else fit_asks(1)
         for resource, value in widest.items():

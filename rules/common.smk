@@ -61,8 +61,9 @@ wildcard_constraints:
 # A fit (paths.projection, paths.fidelity) and a projected model (paths.projected_model,
 # paths.downstream) as wildcards, in the paths' argument order; each stem names the jobs' logs
 # and benchmarks.
-FIT = ("{model}", "{objective}", "{setting}", "{d_prime}", "{seed}")
-FIT_STEM = "{model}_{objective}_{setting}_d{d_prime}_s{seed}"
+# A fit_projection job fits every fit seed (dimpo.seeds) of one (model, objective, setting, d').
+FIT = ("{model}", "{objective}", "{setting}", "{d_prime}")
+FIT_STEM = "{model}_{objective}_{setting}_d{d_prime}"
 PROJECTED = (
     "{model}",
     "{objective}",
@@ -162,17 +163,20 @@ def capture_hparams():
 
 def fit_hparams(wildcards):
     """dimpo.hparams as one fit reads them (dimattn.projections.resolve_settings): its own
-    objective's per_objective entry alone, its seed and its ablation setting. Snakemake reruns a
+    objective's per_objective entry alone and its ablation setting (the seeds: fit_seeds). Snakemake reruns a
     job whose params change, so a change to one objective's hparams reruns that objective's fits
     only."""
     hparams = dict(PLAN.dimpo["hparams"])
     per = hparams.pop("per_objective", None) or {}
     if wildcards.objective in per:
         hparams["per_objective"] = {wildcards.objective: per[wildcards.objective]}
-    return hparams | {
-        "seed": int(wildcards.seed),
-        "setting": PLAN.dimpo_settings[wildcards.setting],
-    }
+    return hparams | {"setting": PLAN.dimpo_settings[wildcards.setting]}
+
+
+def fit_outputs(kind):
+    """A fit_projection job's files of one kind (paths.projection or paths.fidelity), one for
+    each fit seed, in dimpo.seeds' order."""
+    return [kind(*FIT, seed) for seed in PLAN.dimpo["seeds"]]
 
 
 def fit_resource(key):

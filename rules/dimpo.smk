@@ -56,14 +56,14 @@ rule capture_qkv:
 
 
 # One job fits a projection (on the fit capture) and scores its attention fidelity (on the
-# eval capture): two process starts become one.
+# eval capture), for each fit seed in turn: one process start for all of them.
 rule fit_projection:
     input:
         fit=paths.capture("{model}", "fit"),
         eval=paths.capture("{model}", "eval"),
     output:
-        projections=paths.projection(*FIT),
-        fidelity=paths.fidelity(*FIT),
+        projections=fit_outputs(paths.projection),
+        fidelity=fit_outputs(paths.fidelity),
     log:
         paths.log("dimpo", f"fit_{FIT_STEM}"),
     benchmark:
@@ -78,6 +78,9 @@ rule fit_projection:
         gpu=gpu_count(),
     params:
         hparams=fit_hparams,
+        seeds=PLAN.dimpo["seeds"],
+        # each seed's fit as it finishes: a retry fits only the seeds missing
+        partial=paths.fit_partial(*FIT),
         device=DEVICE,
     script:
         "../workflow_scripts/fit_projection.py"

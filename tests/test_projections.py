@@ -707,3 +707,66 @@ def test_fit_benchmark_compares_lockstep_with_one_layer_at_a_time(tmp_path, caps
         assert r["capture"] == "random" and r["layers"] == 2 and r["group"] == 2 and r["ratio"] > 0
         assert r["max_abs_W_difference"] < 1e-5
     assert resources.FIT_LOCKSTEP_BYTES == budget
+
+
+def test_fit_seeds_to_files_fits_each_seed_as_its_own_job_did_and_a_retry_refits_only_what_is_missing(
+        capture, tmp_path, monkeypatch):
+    """fit_projection's job fits every dimpo.seeds seed in one process: each seed's files are those
+    fit_to_file and fidelity_to_file write for that seed alone. A seed kept from a failed attempt
+    is copied, not refitted; one kept under other hparams or captures is refitted."""
+    from dimattn import projections as P
+
+    save_capture(capture, tmp_path / "fit.safetensors", {"model": "synthetic"})
+    save_capture(capture, tmp_path / "eval.safetensors", {"model": "synthetic"})
+    hp = {**FAST, "steps": 8}
+    seeds = [0, 5]
+    outs = [tmp_path / "out" / f"s{s}.safetensors" for s in seeds]
+    csvs = [tmp_path / "out" / f"s{s}.csv" for s in seeds]
+    partial = tmp_path / "partial"
+    args = (tmp_path / "fit.safetensors", tmp_path / "eval.safetensors", "kl", 4)
+
+    P.fit_seeds_to_files(*args, hp, seeds, outs, csvs, partial, "synthetic", setting="default")
+    assert not partial.exists()  # removed once every output is written
+    for seed, out, csv_path in zip(seeds, outs, csvs):
+        P.fit_to_file(tmp_path / "fit.safetensors", "kl", 4, {**hp, "seed": seed}, tmp_path / "alone.safetensors")
+        alone, meta = load_projections(tmp_path / "alone.safetensors")
+        bundled, bmeta = load_projections(out)
+        assert bmeta["seed"] == meta["seed"] == seed
+        assert torch.equal(bundled[0].W, alone[0].W) and torch.equal(bundled[0].b, alone[0].b)
+        P.fidelity_to_file(tmp_path / "eval.safetensors", tmp_path / "alone.safetensors", tmp_path / "alone.csv",
+                           "synthetic", "kl", 4)
+        assert csv_path.read_text() == (tmp_path / "alone.csv").read_text()
+    assert load_projections(outs[0])[0][0].W.ne(load_projections(outs[1])[0][0].W).any()  # seeds differ
+
+    # A retry after a failure at seed 5: seed 0 is kept, and only seed 5 is fitted.
+    fitted, fail = [], {5}
+    real_fit = P.fit_to_file
+
+    def counting_fit(capture_path, objective, d_prime, hparams, out_path, device="cpu"):
+        fitted.append(hparams["seed"])
+        if hparams["seed"] in fail:
+            raise RuntimeError("killed")
+        return real_fit(capture_path, objective, d_prime, hparams, out_path, device=device)
+
+    monkeypatch.setattr(P, "fit_to_file", counting_fit)
+    first = outs[0].read_bytes()
+    for attempt_hp in (hp, {**hp, "lr": 2e-2}):  # the second: other hparams, so seed 0 is refitted
+        with pytest.raises(RuntimeError, match="killed"):
+            P.fit_seeds_to_files(*args, attempt_hp, seeds, outs, csvs, partial, "synthetic")
+        assert (partial / "s0" / "spec.json").is_file() and not (partial / "s5" / "spec.json").exists()
+    assert fitted == [0, 5, 0, 5]
+    fail.clear()
+    for out in outs:
+        out.unlink()  # Snakemake deletes a failed job's outputs
+    P.fit_seeds_to_files(*args, hp, seeds, outs, csvs, partial, "synthetic")
+    assert fitted == [0, 5, 0, 5, 0, 5]  # seed 0 kept under lr 2e-2 is not taken for lr 1e-2
+    assert outs[0].read_bytes() == first and not partial.exists()
+    with pytest.raises(RuntimeError, match="killed"):
+        fail.add(5)
+        P.fit_seeds_to_files(*args, hp, seeds, outs, csvs, partial, "synthetic")
+    fail.clear()
+    P.fit_seeds_to_files(*args, hp, seeds, outs, csvs, partial, "synthetic")
+    assert fitted[-3:] == [0, 5, 5]  # the retry fits seed 5 alone
+    assert outs[0].read_bytes() == first
+    with pytest.raises(ValueError, match="2 seeds for 1 projection"):
+        P.fit_seeds_to_files(*args, hp, seeds, outs[:1], csvs, partial, "synthetic")

@@ -82,6 +82,10 @@ def test_a_fit_asks_one_layer_of_its_capture_and_time_that_follows_its_steps():
     assert steps_min * cluster["margin"] < ask()["runtime"] < 1.2 * steps_min * cluster["margin"] + cluster["startup_min"]
     assert ask(hp=hparams | {"batch_size": 64})["runtime"] < ask()["runtime"] / 4
     assert ask(device="cpu", d_prime=64)["runtime"] > ask(device="cpu", d_prime=1)["runtime"]  # FLOPs grow with d'
+    # a job fits every dimpo.seeds seed in turn: three times the fitting, one start-up
+    three = resources.fit(LLAMA_8B, 10, 10, 4096, 64, hparams, FLOORS, "cuda", cluster, seeds=3)
+    assert three["mem_mb"] == ask()["mem_mb"]
+    assert three["runtime"] - cluster["startup_min"] == pytest.approx(3 * (ask()["runtime"] - cluster["startup_min"]), abs=3)
     assert resources.fit(None, 10, 10, 4096, 64, hparams, p.dimpo["resources"], "cuda", cluster) == {
         k: p.dimpo["resources"][k] for k in ("mem_mb", "runtime")}  # shape unknown (no prefetch yet): the floor
 

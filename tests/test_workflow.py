@@ -353,6 +353,19 @@ def test_one_objectives_hparams_refit_that_objective_alone(smoke, tmp_path):
     assert refit and all("/kl/" in path for path in refit), refit
 
 
+def test_one_fit_job_fits_every_seed(smoke, tmp_path):
+    """dimpo.seeds: [0, 1] doubles the fits, not the fit jobs: each fit_projection job writes
+    both seeds' projections and fidelity."""
+    base = job_counts(dry_run_over_smoke(smoke, tmp_path, "dimpo:\n  hparams: {steps: 11}\n"))["fit_projection"]
+    text = dry_run_over_smoke(smoke, tmp_path, "dimpo:\n  seeds: [0, 1]\n  hparams: {steps: 11}\n")
+    assert job_counts(text)["fit_projection"] == base > 0
+    outputs = re.findall(r"rule fit_projection:\n\s+input: .*\n\s+output: (.+)", text)
+    assert len(outputs) == base
+    for listed in outputs:
+        files = listed.split(", ")
+        assert len(files) == 4 and sum("-s0." in f for f in files) == sum("-s1." in f for f in files) == 2, files
+
+
 def test_report_collects_every_table_and_figure(smoke, tmp_path):
     """snakemake --report: one self-contained HTML page with every declared table and figure."""
     report = tmp_path / "report.html"

@@ -3,11 +3,11 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.projections import fidelity_to_file, fit_to_file
+    from dimattn.projections import fit_seeds_to_files
 
-    wc, out = snakemake.wildcards, snakemake.output
-    fit_to_file(capture_path=Path(snakemake.input.fit), objective=wc.objective, d_prime=int(wc.d_prime),
-                hparams=snakemake.params.hparams, out_path=Path(out.projections), device=snakemake.params.device)
-    fidelity_to_file(capture_path=Path(snakemake.input.eval), projections_path=Path(out.projections),
-                     out_csv=Path(out.fidelity), model_name=wc.model, objective=wc.objective,
-                     setting=wc.setting, d_prime=int(wc.d_prime), device=snakemake.params.device)
+    wc, out, p = snakemake.wildcards, snakemake.output, snakemake.params
+    fit_seeds_to_files(fit_capture=Path(snakemake.input.fit), eval_capture=Path(snakemake.input.eval),
+                       objective=wc.objective, d_prime=int(wc.d_prime), hparams=p.hparams, seeds=p.seeds,
+                       projections_out=[Path(x) for x in out.projections],
+                       fidelity_out=[Path(x) for x in out.fidelity], partial_dir=Path(p.partial),
+                       model_name=wc.model, setting=wc.setting, device=p.device)
