@@ -61,7 +61,9 @@ wildcard_constraints:
 # A fit (paths.projection, paths.fidelity) and a projected model (paths.projected_model,
 # paths.downstream) as wildcards, in the paths' argument order; each stem names the jobs' logs
 # and benchmarks.
-# A fit_projection job fits every fit seed (dimpo.seeds) of one (model, objective, setting, d').
+# A fit_projection job fits every fit seed (dimpo.seeds) of one (model, objective, setting, d');
+# a project_model or score_projected job does every seed of one projected setting (l, kv too),
+# and the base model (objective "base", one seed) has jobs of its own (project_base, score_base).
 FIT = ("{model}", "{objective}", "{setting}", "{d_prime}")
 FIT_STEM = "{model}_{objective}_{setting}_d{d_prime}"
 PROJECTED = (
@@ -71,11 +73,10 @@ PROJECTED = (
     "{d_prime}",
     "{num_projected}",
     "{kv}",
-    "{seed}",
 )
-PROJECTED_STEM = (
-    "{model}_{objective}_{setting}_d{d_prime}_l{num_projected}_{kv}_s{seed}"
-)
+PROJECTED_STEM = "{model}_{objective}_{setting}_d{d_prime}_l{num_projected}_{kv}"
+BASE = (*PROJECTED, "{seed}")
+BASE_STEM = f"{PROJECTED_STEM}_s{{seed}}"
 
 
 def one_of(names):
@@ -83,6 +84,19 @@ def one_of(names):
     import re
 
     return "|".join(re.escape(n) for n in names) or "(?!)"
+
+
+def fitted_objectives():
+    """The objectives of the projected models (every one but the base model's)."""
+    return one_of(
+        sorted({p.objective for p in PLAN.dimpo_projected} - {sweeps.BASE_OBJECTIVE})
+    )
+
+
+def each_seed(kind, *wildcards):
+    """A job's files of one kind (a paths function taking the seed last) for every fit seed,
+    in dimpo.seeds' order."""
+    return [kind(*wildcards, seed) for seed in PLAN.dimpo["seeds"]]
 
 
 # --- input functions and params --------------------------------------------------------------
@@ -173,24 +187,22 @@ def fit_hparams(wildcards):
     return hparams | {"setting": PLAN.dimpo_settings[wildcards.setting]}
 
 
-def fit_outputs(kind):
-    """A fit_projection job's files of one kind (paths.projection or paths.fidelity), one for
-    each fit seed, in dimpo.seeds' order."""
-    return [kind(*FIT, seed) for seed in PLAN.dimpo["seeds"]]
-
-
 def fit_resource(key):
     """mem_mb or runtime of a fit: dimpo.resources or the estimate from the model's shape, the
     captures' tokens and d' (dimattn.resources.fit), whichever is larger."""
     return scaled(lambda wc: FIRST_ATTEMPTS["fit"][wc.model](wc.d_prime)[key], key)
 
 
-def score_resource(job, key):
+def score_resource(job, key, models=1):
     """mem_mb or runtime of a scoring job (score_text, perplexity: by run;
-    score_projected: by model and d'), from the model's shape, tokens and tasks
-    (dimattn.resources.score)."""
+    score_projected: by model and d', ``models`` projected models one after the other), from
+    the model's shape, tokens and tasks (dimattn.resources.score)."""
     if job == "score_projected":
-        return scaled(lambda wc: FIRST_ATTEMPTS[job][wc.model](wc.d_prime)[key], key)
+        return scaled(
+            lambda wc: FIRST_ATTEMPTS[job][wc.model](wc.d_prime)[key]
+            * (models if key == "runtime" else 1),
+            key,
+        )
     return scaled(lambda wc: FIRST_ATTEMPTS[job][wc.run][key], key)
 
 
@@ -223,17 +235,21 @@ def dimpo_model_source(wildcards):
     return paths.model(spec["run"]) if "run" in spec else spec["hub"]
 
 
-def projected_input(wildcards):
-    """The projection a projected model applies: the fit of its setting with the model's fit
-    seed; none for the base model."""
-    if wildcards.objective == sweeps.BASE_OBJECTIVE:
-        return []
-    return paths.projection(
+def job_seeds(wildcards):
+    """The fit seeds of a project or score job: its own (a base model's job), else every one."""
+    if "seed" in wildcards.keys():
+        return [int(wildcards.seed)]
+    return PLAN.dimpo["seeds"]
+
+
+def projected_inputs(wildcards):
+    """The projections a project_model job applies: its setting's fit, every fit seed."""
+    return each_seed(
+        paths.projection,
         wildcards.model,
         wildcards.objective,
         wildcards.setting,
         wildcards.d_prime,
-        wildcards.seed,
     )
 
 

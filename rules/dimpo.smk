@@ -62,8 +62,8 @@ rule fit_projection:
         fit=paths.capture("{model}", "fit"),
         eval=paths.capture("{model}", "eval"),
     output:
-        projections=fit_outputs(paths.projection),
-        fidelity=fit_outputs(paths.fidelity),
+        projections=each_seed(paths.projection, *FIT),
+        fidelity=each_seed(paths.fidelity, *FIT),
     log:
         paths.log("dimpo", f"fit_{FIT_STEM}"),
     benchmark:
@@ -88,17 +88,21 @@ rule fit_projection:
 
 # dimpo.downstream: Table 1's projections at work. A projected model is a model directory
 # (dimattn.modeling_projected) that lm-eval's `hf` model loads; the base model (objective
-# "base", l = 0) is one too, so that KV compression applies to it alike.
+# "base", l = 0) is one too, so that KV compression applies to it alike. One job builds (and one
+# scores) the projected models of every fit seed in turn: a process start (torch, transformers,
+# lm-eval: about 4 s) once for all of them; the base model, one seed, has jobs of its own.
 rule project_model:
     input:
         base=dimpo_model_dir,
-        projections=projected_input,
+        projections=projected_inputs,
     output:
-        directory(paths.projected_model(*PROJECTED)),
+        [directory(d) for d in each_seed(paths.projected_model, *PROJECTED)],
     log:
         paths.log("dimpo", f"project_{PROJECTED_STEM}"),
     benchmark:
         paths.bench("project_model", f"project_{PROJECTED_STEM}")
+    wildcard_constraints:
+        objective=fitted_objectives(),
     conda:
         "../envs/torch.yaml"
     threads: 1
@@ -109,28 +113,46 @@ rule project_model:
         source=dimpo_model_source,
         scale=PLAN.downstream["scale"],
         kv=lambda wc: PLAN.kv_settings(wc.kv),
+        seeds=job_seeds,
     script:
         "../workflow_scripts/project_model.py"
 
 
+use rule project_model as project_base with:
+    input:
+        base=dimpo_model_dir,
+    output:
+        directory(paths.projected_model(*BASE)),
+    log:
+        paths.log("dimpo", f"project_{BASE_STEM}"),
+    benchmark:
+        paths.bench("project_model", f"project_{BASE_STEM}")
+    wildcard_constraints:
+        objective=sweeps.BASE_OBJECTIVE,
+
+
 rule score_projected:
     input:
-        model=paths.projected_model(*PROJECTED),
+        model=each_seed(paths.projected_model, *PROJECTED),
         tokens=projected_tokens,
         recall=projected_recall_tokens,
         suite=projected_suite_tokens,
         lm_eval_data=lm_eval_data_files(),
     output:
-        paths.downstream(*PROJECTED),
+        each_seed(paths.downstream, *PROJECTED),
     log:
         paths.log("dimpo", f"score_{PROJECTED_STEM}"),
     benchmark:
         paths.bench("score_projected", f"score_{PROJECTED_STEM}")
+    wildcard_constraints:
+        objective=fitted_objectives(),
     conda:
         "../envs/lm_eval.yaml"
     threads: 1
     resources:
-        runtime=score_resource("score_projected", "runtime"),
+        runtime=score_resource(
+            "score_projected", "runtime", models=len(PLAN.dimpo["seeds"])
+        ),
         mem_mb=score_resource("score_projected", "mem_mb"),
         gpu=gpu_count(),
     params:
@@ -156,11 +178,33 @@ rule score_projected:
             PLAN.perplexity_datasets if PLAN.dimpo_probe(wc.model) == "text" else []
         ),
         # each task's result as it finishes, as score_text's: a rerun scores only the tasks missing
-        lm_eval_partial=lambda wc, output: paths.partial(output[0]),
+        lm_eval_partial=lambda wc, output: [paths.partial(out) for out in output],
         precision=SCORE_PRECISION,
+        seeds=job_seeds,
         device=DEVICE,
     script:
         "../workflow_scripts/score_projected.py"
+
+
+use rule score_projected as score_base with:
+    input:
+        model=paths.projected_model(*BASE),
+        tokens=projected_tokens,
+        recall=projected_recall_tokens,
+        suite=projected_suite_tokens,
+        lm_eval_data=lm_eval_data_files(),
+    output:
+        paths.downstream(*BASE),
+    log:
+        paths.log("dimpo", f"score_{BASE_STEM}"),
+    benchmark:
+        paths.bench("score_projected", f"score_{BASE_STEM}")
+    wildcard_constraints:
+        objective=sweeps.BASE_OBJECTIVE,
+    resources:
+        runtime=score_resource("score_projected", "runtime"),
+        mem_mb=score_resource("score_projected", "mem_mb"),
+        gpu=gpu_count(),
 
 
 # Seed 003 Appendix H: one job a model, on every core, so that nothing runs beside it while it

@@ -102,7 +102,10 @@ def test_paper_dry_run_builds_the_full_dag(paper_dry_run):
     # at d' = 64 and 3 l (Table 5); Table 6's 8 settings and Table 1's DimPO + KL at one l on
     # Llama-3.1-8B and on Qwen3-4B
     llama8b, qwen3, n28 = 1 + 7 * 10 * 4 + 4 * (1 + 3) + 8 + 1, 1 + 7 * 14 * 4 + 8 + 1, 1 + 7 * 12 * 4
-    assert counts["project_model"] == counts["score_projected"] == llama8b + qwen3 + 2 * n28 == 1382
+    assert counts["project_model"] + counts["project_base"] == llama8b + qwen3 + 2 * n28 == 1382
+    # the base models (Llama-3.1-8B's alone and with each of the 4 KV settings) have jobs of their own
+    assert counts["project_base"] == counts["score_base"] == 5 + 1 + 2
+    assert counts["score_projected"] == counts["project_model"]
     assert counts["prefetch"] == 1  # hub models and task data, on the login node
     assert "shakespeare" not in text and "tiny-" not in text  # nothing leaks from config.yaml
     for run in ("pythia-70m-dar-w128-d64", "pythia-70m-dar-w0-d128", "pythia-70m-swa-w128-full4",
@@ -309,7 +312,9 @@ def test_long_context_branch_plans_its_jobs(tmp_path):
     counts = job_counts(text)
     # tiny-vanilla: base, KL at l = 1, 2; recall-vanilla: base and KL at l = 2, each alone and with
     # SnapKV, and Table 6's 2 settings at l = 2
-    assert counts["project_model"] == counts["score_projected"] == 3 + 2 * 2 + 2
+    assert counts["project_model"] + counts["project_base"] == 3 + 2 * 2 + 2
+    assert counts["project_base"] == counts["score_base"] == 1 + 2  # tiny-vanilla's, recall-vanilla's with SnapKV too
+    assert counts["score_projected"] == counts["project_model"]
     assert counts["capture_qkv"] == 4 and counts["latency"] == 2
     for path in ("results/dimpo/recall-vanilla/downstream/kl/default/d4-l2-snapkv48-s0.json",
                  "results/dimpo/recall-vanilla/downstream/dimpo/k=0,lam=0/d4-l2-none-s0.json",
@@ -353,17 +358,24 @@ def test_one_objectives_hparams_refit_that_objective_alone(smoke, tmp_path):
     assert refit and all("/kl/" in path for path in refit), refit
 
 
-def test_one_fit_job_fits_every_seed(smoke, tmp_path):
-    """dimpo.seeds: [0, 1] doubles the fits, not the fit jobs: each fit_projection job writes
-    both seeds' projections and fidelity."""
-    base = job_counts(dry_run_over_smoke(smoke, tmp_path, "dimpo:\n  hparams: {steps: 11}\n"))["fit_projection"]
-    text = dry_run_over_smoke(smoke, tmp_path, "dimpo:\n  seeds: [0, 1]\n  hparams: {steps: 11}\n")
-    assert job_counts(text)["fit_projection"] == base > 0
-    outputs = re.findall(r"rule fit_projection:\n\s+input: .*\n\s+output: (.+)", text)
-    assert len(outputs) == base
-    for listed in outputs:
-        files = listed.split(", ")
-        assert len(files) == 4 and sum("-s0." in f for f in files) == sum("-s1." in f for f in files) == 2, files
+def test_one_job_does_every_fit_seed(smoke, tmp_path):
+    """dimpo.seeds: [0, 1] doubles the fits and the projected models, not the jobs: each
+    fit_projection, project_model and score_projected job writes both seeds' files; the base
+    model, one seed, keeps its own jobs (project_base, score_base)."""
+    overlay = "dimpo:\n  hparams: {steps: 11}\n"  # every fit (and what reads it) is scheduled
+    one = job_counts(dry_run_over_smoke(smoke, tmp_path, overlay))
+    text = dry_run_over_smoke(smoke, tmp_path, overlay + "  seeds: [0, 1]\n")
+    two = job_counts(text)
+    for rule, files_a_seed in (("fit_projection", 2), ("project_model", 1), ("score_projected", 1)):
+        assert two[rule] == one[rule] > 0, rule
+        outputs = re.findall(rf"rule {rule}:\n\s+input: .*\n\s+output: (.+)", text)
+        assert len(outputs) == one[rule], rule
+        for listed in outputs:
+            files = listed.split(", ")
+            assert len(files) == 2 * files_a_seed, files
+            assert sum("-s0" in f for f in files) == sum("-s1" in f for f in files) == files_a_seed, files
+    assert two.get("score_base", 0) == one.get("score_base", 0)  # not refitted, and one seed either way
+    assert "/base/default/d0-l0-none-s1" not in text
 
 
 def test_report_collects_every_table_and_figure(smoke, tmp_path):

@@ -6,7 +6,9 @@ with logged(snakemake):
     from dimattn.configuration_projected import save_projected_model
 
     wc, p = snakemake.wildcards, snakemake.params
-    projections = Path(snakemake.input.projections) if snakemake.input.projections else None
-    save_projected_model(out_dir=Path(snakemake.output[0]), base_model=str(p.source), projections_path=projections,
-                         num_projected=int(wc.num_projected), scale=p.scale, kv=p.kv,
-                         meta={"model": wc.model, "kv_name": wc.kv})
+    # the base model's job has no projections; a projected setting's has one a seed
+    projections = getattr(snakemake.input, "projections", None) or [None] * len(p.seeds)
+    for path, out in zip(projections, snakemake.output, strict=True):
+        save_projected_model(out_dir=Path(out), base_model=str(p.source), projections_path=path and Path(path),
+                             num_projected=int(wc.num_projected), scale=p.scale, kv=p.kv,
+                             meta={"model": wc.model, "kv_name": wc.kv})
