@@ -122,7 +122,8 @@ def fidelity(model: str, objective: str, setting: str, d_prime, seed) -> str:
 def fit_partial(model: str, objective: str, setting: str, d_prime) -> str:
     """Where a fit_projection job keeps each seed's fit until all are written (under CHECKPOINTS:
     not a Snakemake output, so a retry finds them)."""
-    return f"{CHECKPOINTS}/{PurePosixPath(projection(model, objective, setting, d_prime, 0)).parent.relative_to(RESULTS)}/d{d_prime}"
+    folder = PurePosixPath(projection(model, objective, setting, d_prime, 0)).parent  # the projections'
+    return f"{CHECKPOINTS}/{folder.relative_to(RESULTS)}/d{d_prime}"
 
 
 def prefetched() -> str:

@@ -856,7 +856,7 @@ def fit_seeds_to_files(fit_capture, eval_capture, objective: str, d_prime: int, 
     of ``seeds`` (dimpo.seeds) in turn, into ``projections_out[i]`` and ``fidelity_out[i]``.
 
     One process for every seed: a job's start (torch's import, the captures' first read) cost as
-    much as a small fit, and cpu-full fitted each seed in a job of its own (792 jobs, 264 now).
+    much as a small fit, and cpu-full fitted each seed in a job of its own (792 jobs; 268 now).
     Each finished seed is kept in ``partial_dir`` (not a Snakemake output: a failed job's outputs
     are deleted, that folder is not) beside a record of what made it, the hparams and the
     captures' size and mtime; a retry copies the seeds whose record matches and fits the rest.

@@ -59,8 +59,8 @@ wildcard_constraints:
 
 
 # A fit (paths.projection, paths.fidelity) and a projected model (paths.projected_model,
-# paths.downstream) as wildcards, in the paths' argument order; each stem names the jobs' logs
-# and benchmarks.
+# paths.downstream) as wildcards, in the paths' argument order but for the seed, their last
+# (each_seed adds it); each stem names the jobs' logs and benchmarks.
 # A fit_projection job fits every fit seed (dimpo.seeds) of one (model, objective, setting, d');
 # a project_model or score_projected job does every seed of one projected setting (l, kv too),
 # and the base model (objective "base", one seed) has jobs of its own (project_base, score_base).
@@ -177,7 +177,8 @@ def capture_hparams():
 
 def fit_hparams(wildcards):
     """dimpo.hparams as one fit reads them (dimattn.projections.resolve_settings): its own
-    objective's per_objective entry alone and its ablation setting (the seeds: fit_seeds). Snakemake reruns a
+    objective's per_objective entry alone and its ablation setting (the job's seeds are
+    params.seeds). Snakemake reruns a
     job whose params change, so a change to one objective's hparams reruns that objective's fits
     only."""
     hparams = dict(PLAN.dimpo["hparams"])
@@ -193,14 +194,15 @@ def fit_resource(key):
     return scaled(lambda wc: FIRST_ATTEMPTS["fit"][wc.model](wc.d_prime)[key], key)
 
 
-def score_resource(job, key, models=1):
+def score_resource(job, key):
     """mem_mb or runtime of a scoring job (score_text, perplexity: by run;
-    score_projected: by model and d', ``models`` projected models one after the other), from
-    the model's shape, tokens and tasks (dimattn.resources.score)."""
+    score_projected, score_base: by model and d', the runtime once for each projected model the
+    job scores in turn, job_seeds), from the model's shape, tokens and tasks
+    (dimattn.resources.score)."""
     if job == "score_projected":
         return scaled(
             lambda wc: FIRST_ATTEMPTS[job][wc.model](wc.d_prime)[key]
-            * (models if key == "runtime" else 1),
+            * (len(job_seeds(wc)) if key == "runtime" else 1),
             key,
         )
     return scaled(lambda wc: FIRST_ATTEMPTS[job][wc.run][key], key)

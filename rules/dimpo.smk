@@ -150,9 +150,7 @@ rule score_projected:
         "../envs/lm_eval.yaml"
     threads: 1
     resources:
-        runtime=score_resource(
-            "score_projected", "runtime", models=len(PLAN.dimpo["seeds"])
-        ),
+        runtime=score_resource("score_projected", "runtime"),
         mem_mb=score_resource("score_projected", "mem_mb"),
         gpu=gpu_count(),
     params:
@@ -201,10 +199,6 @@ use rule score_projected as score_base with:
         paths.bench("score_projected", f"score_{BASE_STEM}")
     wildcard_constraints:
         objective=sweeps.BASE_OBJECTIVE,
-    resources:
-        runtime=score_resource("score_projected", "runtime"),
-        mem_mb=score_resource("score_projected", "mem_mb"),
-        gpu=gpu_count(),
 
 
 # Seed 003 Appendix H: one job a model, on every core, so that nothing runs beside it while it
