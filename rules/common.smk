@@ -245,7 +245,10 @@ def job_seeds(wildcards):
 
 
 def projected_inputs(wildcards):
-    """The projections a project_model job applies: its setting's fit, every fit seed."""
+    """The projections a project_model job applies: its setting's fit, every fit seed; none
+    for the base model (project_base)."""
+    if wildcards.objective == sweeps.BASE_OBJECTIVE:
+        return []
     return each_seed(
         paths.projection,
         wildcards.model,
@@ -253,6 +256,13 @@ def projected_inputs(wildcards):
         wildcards.setting,
         wildcards.d_prime,
     )
+
+
+def projected_models(wildcards):
+    """The projected model directories a scoring job scores, one for each of its seeds."""
+    fields = [wildcards[k] for k in ("model", "objective", "setting", "d_prime")]
+    fields += [wildcards.num_projected, wildcards.kv]
+    return [paths.projected_model(*fields, seed) for seed in job_seeds(wildcards)]
 
 
 def latency_projection(wildcards):

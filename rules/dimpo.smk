@@ -119,8 +119,6 @@ rule project_model:
 
 
 use rule project_model as project_base with:
-    input:
-        base=dimpo_model_dir,
     output:
         directory(paths.projected_model(*BASE)),
     log:
@@ -133,7 +131,7 @@ use rule project_model as project_base with:
 
 rule score_projected:
     input:
-        model=each_seed(paths.projected_model, *PROJECTED),
+        model=projected_models,
         tokens=projected_tokens,
         recall=projected_recall_tokens,
         suite=projected_suite_tokens,
@@ -185,12 +183,6 @@ rule score_projected:
 
 
 use rule score_projected as score_base with:
-    input:
-        model=paths.projected_model(*BASE),
-        tokens=projected_tokens,
-        recall=projected_recall_tokens,
-        suite=projected_suite_tokens,
-        lm_eval_data=lm_eval_data_files(),
     output:
         paths.downstream(*BASE),
     log:

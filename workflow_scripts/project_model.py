@@ -7,7 +7,7 @@ with logged(snakemake):
 
     wc, p = snakemake.wildcards, snakemake.params
     # the base model's job has no projections; a projected setting's has one a seed
-    projections = getattr(snakemake.input, "projections", None) or [None] * len(p.seeds)
+    projections = snakemake.input.projections or [None] * len(p.seeds)
     for path, out in zip(projections, snakemake.output, strict=True):
         save_projected_model(out_dir=Path(out), base_model=str(p.source), projections_path=path and Path(path),
                              num_projected=int(wc.num_projected), scale=p.scale, kv=p.kv,
