@@ -5,7 +5,9 @@
     python benchmarks/attention.py --suite gpu      # Pythia-70M shapes on CUDA: tokens/s, MFU
 
 Every line is ``{"name": ..., "ratio": ..., ...}``: a ratio of two measurements taken in the
-same process, interleaved, so that machine noise hits both sides alike. Times are medians.
+same process, interleaved, so that machine noise hits both sides alike. Times are medians. The
+host line (benchmarks/_host.py, on stderr) comes first; every line carries the host's one-thread
+bf16 matmul peak, ``host_bf16_peak_gflops``.
 
 (a) DAR attention forward+backward / vanilla causal SDPA, B=4 H=8 T=2048 D=64 w=128
     (target <= 1.2; the FLOP ratio is printed beside it).
@@ -33,6 +35,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._host import announce, stamp  # noqa: E402
 from dimattn import DimAttnConfig, DimAttnForCausalLM  # noqa: E402
 from dimattn.attention import dar_attention, sliding_window_attention  # noqa: E402
 from dimattn.modeling_dimattn import kv_cache_nbytes  # noqa: E402
@@ -42,7 +45,7 @@ H200_BF16_FLOPS = 790e12  # measured dense bf16 matmul peak of the lent H200 (de
 
 
 def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
+    print(json.dumps(stamp(record)), flush=True)
 
 
 def _sync(device):
@@ -249,6 +252,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as dimattn.training does on CPU
+    announce()
     if args.suite == "gpu":
         if not torch.cuda.is_available():
             parser.error("--suite gpu needs CUDA")

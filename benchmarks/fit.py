@@ -11,7 +11,9 @@ more there), with the default config's ``dimpo.hparams`` (its preset, n_instance
 in lockstep (dimattn.resources.FIT_LOCKSTEP_BYTES as set), once with a budget of one byte, so
 that each layer goes alone. The two run back to back in every repeat; each line gives their
 median wall seconds, the ratio (lockstep over one at a time) and the largest difference between
-the two fits' maps, which are the same fit up to float summation order.
+the two fits' maps, which are the same fit up to float summation order. The host line
+(benchmarks/_host.py, on stderr) comes first; every line carries the host's one-thread bf16
+matmul peak, ``host_bf16_peak_gflops``.
 """
 
 import argparse
@@ -27,6 +29,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._host import announce, stamp  # noqa: E402
 from dimattn import resources  # noqa: E402
 from dimattn.projections import fit_projections, load_capture, lockstep_group  # noqa: E402
 
@@ -50,6 +53,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    announce()
     config = yaml.safe_load(args.config.read_text())
     if args.capture.is_file():
         (capture, _), source = load_capture(args.capture), str(args.capture)
@@ -79,12 +83,12 @@ def main(argv=None):
                 times[lockstep].append(seconds)
         diff = max(float((maps[True][layer].W - maps[False][layer].W).abs().max()) for layer in capture)
         lock, single = statistics.median(times[True]), statistics.median(times[False])
-        print(json.dumps({
+        print(json.dumps(stamp({
             "name": f"fit_{objective}_lockstep_over_one_layer_at_a_time", "ratio": round(lock / single, 4),
             "lockstep_s": round(lock, 3), "one_at_a_time_s": round(single, 3), "max_abs_W_difference": diff,
             "group": group, "capture": source, "layers": len(capture), "q": list(first["q"].shape),
             "d_prime": args.d_prime, "threads": args.threads, "repeats": args.repeats,
-        }), flush=True)  # fmt: skip
+        })), flush=True)  # fmt: skip
     resources.FIT_LOCKSTEP_BYTES = budget
 
 

@@ -30,6 +30,9 @@ The subtasks (a five-subtask subset of dimattn.longctx's, 16 keys, values and wo
 examples): niah_single (one needle), niah_multikey (4 needles, one asked), niah_multivalue (4
 values of one key, all in context order), niah_multiquery (4 needles, all asked, shuffled),
 vt (2 chains of 5 names, a value asked, its chain's names in order).
+
+The host line (benchmarks/_host.py, on stderr) comes first; every line carries the host's
+one-thread bf16 matmul peak, ``host_bf16_peak_gflops``, beside its seconds.
 """
 
 import argparse
@@ -187,12 +190,14 @@ def main(argv=None):
 
     import torch
 
+    from benchmarks._host import announce, stamp
     from dimattn import DimAttnConfig, DimAttnForCausalLM
     from dimattn.precision import autocast
     from dimattn.training import TrainConfig, configure_optimizer, keep_freed_memory, lr_at
 
     torch.set_num_threads(1)
     keep_freed_memory()
+    announce()
     torch.manual_seed(args.seed)
     cfg = TrainConfig(seq_len=SEQ_LEN, batch_size=args.batch, max_steps=args.steps, lr=args.lr, min_lr=args.lr / 10,
                       warmup_frac=0.05)  # fmt: skip
@@ -223,8 +228,8 @@ def main(argv=None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            print(json.dumps({"step": step + 1, "exact": exact_match(), "loss": round(loss.item(), 3),
-                              "seconds": round(time.perf_counter() - t0)}), flush=True)  # fmt: skip
+            print(json.dumps(stamp({"step": step + 1, "exact": exact_match(), "loss": round(loss.item(), 3),
+                                    "seconds": round(time.perf_counter() - t0)})), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

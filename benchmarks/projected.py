@@ -10,7 +10,9 @@ SnapKV. Each setting runs back to back with the base model in every repeat; each
 the medians and the median of the paired ratios to the base model: (a) prefill time, (b) time
 per decoded token (and tokens/s), (c) KV-cache bytes, (d) peak memory (CUDA's allocator peak; on
 CPU the weights plus the cache). The workflow's ``latency`` rule measures the dimpo models
-themselves, with their fitted projections.
+themselves, with their fitted projections. The host line (benchmarks/_host.py, on stderr: the
+CPU, also under --device cuda) comes first; every line carries the host's one-thread bf16
+matmul peak, ``host_bf16_peak_gflops``.
 """
 
 import argparse
@@ -23,6 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._host import announce, stamp  # noqa: E402
 from dimattn.affine import Affine  # noqa: E402
 from dimattn.latency import measure  # noqa: E402
 from dimattn.modeling_projected import attention_modules  # noqa: E402
@@ -57,12 +60,13 @@ def main():
     ap.add_argument("--vocab", type=int, default=8192)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    announce()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     base = build(args).to(args.device, dtype)
     d_prime = args.hidden // args.heads // 2
     meta = {"layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads, "d_prime": d_prime}
     for row in measure(base, projections(base, d_prime), args.prompt, args.new, args.repeats, args.device):
-        print(json.dumps(row | meta))
+        print(json.dumps(stamp(row | meta)), flush=True)
 
 
 if __name__ == "__main__":

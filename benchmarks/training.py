@@ -15,6 +15,19 @@ absolute times do not. Lines:
   over the matmul peak of the same precision.
 - ``dar_over_vanilla_{fp32,bf16}``: the step-time ratio; ``bf16_over_fp32_{vanilla,dar}``: the
   step time in bf16 over fp32.
+- ``profile_{vanilla,dar}_{precision}``: where a step's time goes, in the precision training.py
+  takes (the scale's ``training.precision``, "auto" by default, resolved on this CPU; or
+  --profile-precision): torch.profiler over --profile-steps steps after one profiled warm-up
+  step (--no-profile skips it). ``top``: the operators of most self CPU time, each in its
+  group, ms a step and share of the profiled step; ``groups``: every op's self time in one
+  group, the shares summing to 1: ``loss``, ``attention`` and ``optimizer`` by the region an
+  op runs in (the LM-head loss's autograd function forward and backward, the attention
+  kernels, AdamW and clipping), then ``matmul``, ``copies`` (to/_to_copy/copy_: autocast's
+  weight casts), ``elementwise`` (pointwise ops, norms, reductions) by the op's own name,
+  ``other``, and ``python`` (time in no op).
+
+The host line (benchmarks/_host.py, on stderr) comes first; every record carries the host's
+one-thread bf16 matmul peak, ``host_bf16_peak_gflops``.
 
 FLOPs counted per step: 6 x tokens x (weights of every matmul: the Linear layers with the LM
 head, not the input embedding, plus DAR's far key/value projection d_down -> 2 d), plus
@@ -29,6 +42,7 @@ wall seconds of a job) and prints the seconds summed per rule, largest first, th
 import argparse
 import csv
 import json
+import re
 import statistics
 import sys
 import time
@@ -74,12 +88,15 @@ def dag_times(root: Path) -> None:
 def default_model(config_path: Path, d_down: int | None, scale_name: str = "tiny") -> tuple[dict, dict, dict, int]:
     """(architecture, training, DAR keys, vocab) of a scale ("tiny" by default): the window of
     its first DAR sweep entry, d_down = d / 4 (seed 000's default ratio) unless given. A scale
-    trained on the synthetic recall corpus takes that corpus's vocabulary."""
+    trained on a synthetic corpus (recall, the long-context suite) takes its vocabulary."""
     import yaml
 
     config = yaml.safe_load(config_path.read_text())
     scale = config["pretraining"]["scales"][scale_name]
-    dar = next(s for s in config["pretraining"]["sweeps"] if s["scale"] == scale_name and s["attention"] == "dar")
+    sweeps = config["pretraining"]["sweeps"]
+    # a scale with no DAR run (the suite's): w = a quarter of the example, as cpu-full's suite DAR
+    dar = next((s for s in sweeps if s["scale"] == scale_name and s["attention"] == "dar"),
+               {"window": scale["training"]["seq_len"] // 4})
     first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731
     arch = scale["architecture"]
     keys = {"window": first(dar["window"]), "d_down": d_down or arch["hidden_size"] // 4}
@@ -89,7 +106,43 @@ def default_model(config_path: Path, d_down: int | None, scale_name: str = "tiny
         from dimattn.recall import RecallSettings
 
         vocab = RecallSettings.from_spec(dataset).vocab_size
+    elif dataset.get("source") == "synthetic_longctx":
+        from dimattn.longctx import LongContextSettings
+
+        vocab = LongContextSettings.from_spec(dataset).vocab_size
     return arch, scale["training"], keys, vocab
+
+
+def corpus_batch(config_path: Path, scale_name: str, batch: int, vocab: int, seq_len: int):
+    """(x, labels) of one training batch as the scale's corpus gives it: random tokens labelled
+    everywhere for text; the generator's own examples, labelled on the answers only, for the
+    synthetic corpora (dimattn.recall, dimattn.longctx), whose head then sees 1 row in 8."""
+    import numpy as np
+    import torch
+    import yaml
+
+    config = yaml.safe_load(config_path.read_text())
+    scale = config["pretraining"]["scales"][scale_name]
+    spec = config["datasets"].get(scale.get("dataset", config["pretraining"]["dataset"]), {})
+    rng = np.random.default_rng(0)
+    if spec.get("source") == "synthetic_longctx":
+        from dimattn.longctx import LongContextSettings, generate_split
+
+        x, mask = generate_split(LongContextSettings.from_spec(spec), "train", batch, rng)
+    elif spec.get("source") == "synthetic_recall":
+        from dimattn.recall import RecallSettings, find_queries, generate_examples
+
+        settings = RecallSettings.from_spec(spec)
+        x, mask = generate_examples(settings, batch, rng), None
+        if settings.answer_loss:
+            queries = find_queries(x, settings.layout())
+            mask = np.zeros(x.shape, dtype=np.uint8)
+            mask[queries[:, 0], queries[:, 1] + 1] = 1
+    else:
+        x = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+        return x, x
+    x = torch.from_numpy(np.ascontiguousarray(x[:, :seq_len]))
+    return x, (x if mask is None else x.masked_fill(torch.from_numpy(mask[:, :seq_len]) == 0, -100))
 
 
 def matmul_weights(model) -> int:
@@ -109,19 +162,91 @@ def step_flops(model, batch: int, seq_len: int) -> float:
     return 6 * batch * seq_len * matmul_weights(model) + attention
 
 
+# --- where a step's time goes --------------------------------------------------------------------
+
+# Regions, matched on an op's name or an enclosing one's, innermost first: the LM head's loss is
+# an autograd function (dimattn.modeling_dimattn.lm_head_loss) whose matmuls and softmax would
+# otherwise count as matmul and elementwise; so are the blocked attention kernels (_JointAttention:
+# vanilla's and DAR's on CPU).
+REGIONS = {
+    "loss": re.compile(r"_LMHeadLoss|cross_entropy|log_softmax|nll_loss", re.I),
+    "attention": re.compile(r"scaled_?dot_?product|flash_?attention|efficient_attention|flex_attention"
+                            r"|_JointAttention|_MergedAttention", re.I),
+    "optimizer": re.compile(r"^Optimizer\.|adamw|_foreach_|clip_grad", re.I),
+}
+# Kinds, matched on the op's own name where no region holds it.
+KINDS = {
+    "matmul": re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_addmm_activation|mv|dot)$"),
+    "copies": re.compile(r"^aten::(to|_to_copy|copy_)$"),
+    "elementwise": re.compile(
+        r"^aten::_?(add|sub|rsub|mul|div|neg|exp|log|pow|sqrt|rsqrt|tanh|sigmoid|gelu|silu|relu|threshold|where"
+        r"|masked_fill|clamp|fill|zero|cat|stack|sum|mean|native_layer_norm|layer_norm|native_dropout|dropout"
+        r"|softmax|cos|sin|abs|sign|lerp|addcmul|addcdiv|maximum|minimum|eq|ne|lt|gt|le|ge|square|reciprocal)"
+        r"(_backward\w*|_data|_)?$"),
+}
+GROUPS = (*REGIONS, *KINDS, "other", "python")
+TOP_OPS = 12
+
+
+def group_of(event) -> str:
+    """The group of an event's self time (see REGIONS, KINDS)."""
+    if event.name.startswith("ProfilerStep"):
+        return "python"  # the step's own time in no op: Python, the autograd engine's loop
+    node = event
+    while node is not None:
+        for group, pattern in REGIONS.items():
+            if pattern.search(node.name):
+                return group
+        node = node.cpu_parent
+    return next((kind for kind, pattern in KINDS.items() if pattern.match(event.name)), "other")
+
+
+def profile_step(step, steps: int) -> dict:
+    """One profiled warm-up step, then ``steps`` steps: the mean profiled step, the top operators
+    by self CPU time and the groups' shares (module doc)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    once = schedule(wait=0, warmup=1, active=steps, repeat=1)  # repeat=1: no second cycle clears the events
+    with profile(activities=[ProfilerActivity.CPU], schedule=once) as prof:
+        for _ in range(steps + 1):
+            step()
+            prof.step()
+    events = prof.events()
+    step_us = sum(e.cpu_time_total for e in events if e.name.startswith("ProfilerStep")) / steps
+    # an op apart in each group: the LM head's aten::mm (loss) is not the layers' (matmul)
+    by_op, calls, groups = defaultdict(float), defaultdict(int), dict.fromkeys(GROUPS, 0.0)
+    for e in events:
+        key = e.name, group_of(e)
+        by_op[key] += e.self_cpu_time_total
+        calls[key] += 1
+        groups[key[1]] += e.self_cpu_time_total
+    ops = sorted((key for key in by_op if key[1] != "python"), key=by_op.get, reverse=True)
+    share = lambda us: round(us / steps / step_us, 4)  # noqa: E731
+    top = [{"op": op, "group": group, "self_ms": round(by_op[op, group] / steps / 1e3, 3),
+            "share": share(by_op[op, group]), "calls": calls[op, group] // steps} for op, group in ops[:TOP_OPS]]
+    return {"profiled_step_s": round(step_us / 1e6, 5), "profile_steps": steps, "top": top,
+            "groups": {group: share(us) for group, us in groups.items()}}
+
+
 def bench_training(args) -> None:
     import torch
 
+    from benchmarks._host import reporter
     from dimattn import DimAttnConfig, DimAttnForCausalLM
-    from dimattn.precision import autocast, bf16_supported
+    from dimattn import modeling_dimattn as modeling
+    from dimattn.precision import autocast, bf16_supported, resolve_precision
     from dimattn.training import TrainConfig, configure_optimizer, keep_freed_memory
 
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as training.py does on CPU
     arch, train, dar, vocab = default_model(args.config, args.d_down, args.scale)
+    # resolved first, so that a wrong name fails before the timings
+    profiled = resolve_precision(args.profile_precision or train.get("precision", "auto"), "cpu")
+    emit = reporter()
     seq_len, batch = train["seq_len"], train["batch_size"]
     cfg = TrainConfig(seq_len=seq_len, batch_size=batch, lr=train.get("lr", 1e-3))
-    x = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    x, labels = corpus_batch(args.config, args.scale, batch, vocab, seq_len)
+    answers_only = bool((labels == -100).any())
 
     cases, flops = {}, {}
     for variant, extra in {"vanilla": {"attention": "vanilla"}, "dar": {"attention": "dar", **dar}}.items():
@@ -132,16 +257,20 @@ def bench_training(args) -> None:
             model.train()
             optimizer = configure_optimizer(model, cfg)
 
-            def step(model=model, optimizer=optimizer, precision=precision):
+            def step(model=model, optimizer=optimizer, precision=precision, skip=True):
+                modeling.SKIP_UNLABELLED = skip
                 with autocast("cpu", precision):
-                    loss = model(x, labels=x, return_logits=False).loss  # as training.py asks
+                    loss = model(x, labels=labels, return_logits=False).loss  # as training.py asks
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                modeling.SKIP_UNLABELLED = True
 
             cases[f"{variant}_{precision}"] = step
             flops[f"{variant}_{precision}"] = step_flops(model, batch, seq_len)
+            if answers_only and precision == "fp32":  # the lever: the head on every row, as before
+                cases[f"{variant}_fp32_all_rows"] = lambda step=step: step(skip=False)
 
     n = args.peak_n
     for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -183,8 +312,19 @@ def bench_training(args) -> None:
         emit({"name": f"dar_over_vanilla_{precision}", "ratio": round(wall[dar] / wall[vanilla], 4),
               "cpu_ratio": round(cpu[dar] / cpu[vanilla], 4), **common})
     for variant in ("vanilla", "dar"):
+        if f"{variant}_fp32_all_rows" in wall:  # answer-only corpus: labelled rows / all rows
+            emit({"name": f"answer_rows_over_all_rows_{variant}_fp32",
+                  "ratio": round(wall[f"{variant}_fp32"] / wall[f"{variant}_fp32_all_rows"], 4),
+                  "labelled_share": round(float((labels != -100).float().mean()), 4), **common})
+    for variant in ("vanilla", "dar"):
         emit({"name": f"bf16_over_fp32_{variant}", "ratio": round(wall[f"{variant}_bf16"] / wall[f"{variant}_fp32"], 4),
               "bf16_native": bf16_supported("cpu"), **common})
+    if args.no_profile:
+        return
+    for variant in ("vanilla", "dar"):  # after the timings, which the profiler would slow
+        name = f"{variant}_{profiled}"
+        emit({"name": f"profile_{name}", "step_s": round(wall[name], 5), "precision": profiled,
+              **profile_step(cases[name], args.profile_steps), **common})
 
 
 def main(argv=None):
@@ -196,6 +336,10 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--peak-n", type=int, default=1024, help="side of the square matmul of the peak")
     parser.add_argument("--peak-loops", type=int, default=4, help="matmuls per timed peak measurement")
+    parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps a variant, after one warm-up")
+    parser.add_argument("--profile-precision", default=None, help="auto, fp32 or bf16: the profiled steps' "
+                        "(default: the scale's training.precision, or auto)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled steps")
     parser.add_argument("--dag-times", type=Path, metavar="PATH",
                         help="sum the Snakemake benchmark TSVs under PATH per rule")
     args = parser.parse_args(argv)

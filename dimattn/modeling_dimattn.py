@@ -490,6 +490,8 @@ LOSS_CHUNK_ELEMENTS = 1 << 20
 # Rows whose softmax gradient is summed into W's gradient in one matmul (a longer reduction per
 # call; fewer bf16 -> fp32 accumulations).
 LOSS_GRAD_ROWS = 512
+# The head on labelled rows only (lm_head_loss); benchmarks/training.py times it against all rows.
+SKIP_UNLABELLED = True
 
 
 def _fused_loss_applies(hidden, logits_to_keep) -> bool:
@@ -582,4 +584,10 @@ def lm_head_loss(hidden, weight, labels):
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    labelled = labels != -100
+    if SKIP_UNLABELLED and 0 < int(labelled.sum()) < len(labels):
+        # A corpus that trains on its answers only (the recall probe, the long-context suite)
+        # labels 1 row in 8: the head's matmuls and softmax skip the rest, whose loss and
+        # gradient are zero anyway (the index's backward scatters zeros into them).
+        hidden, labels = hidden[labelled], labels[labelled]
     return _LMHeadLoss.apply(hidden, weight, labels, dtype, need_grad)

@@ -256,6 +256,26 @@ def test_lm_head_loss_equals_cross_entropy(monkeypatch, chunk, group, dtype):
         torch.testing.assert_close(a, b)
 
 
+def test_lm_head_loss_on_answers_only():
+    """An answer-only corpus (1 labelled row in 8, the head computed on those rows alone): loss
+    and gradients as F.cross_entropy's, the unlabelled rows' gradient exactly zero; no labelled
+    row at all gives nan, as F.cross_entropy does."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(64, 16, generator=g, dtype=torch.float64).requires_grad_(True)
+    w = torch.randn(29, 16, generator=g, dtype=torch.float64).requires_grad_(True)
+    labels = torch.full((64,), -100)
+    labels[7::8] = torch.randint(0, 29, (8,), generator=g)
+    loss = lm_head_loss(h, w, labels)
+    ref = F.cross_entropy(h @ w.T, labels, ignore_index=-100)
+    torch.testing.assert_close(loss, ref)
+    got, want = torch.autograd.grad(loss, (h, w)), torch.autograd.grad(ref, (h, w))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert not got[0][labels == -100].any()
+    with torch.no_grad():
+        assert lm_head_loss(h, w, torch.full((64,), -100)).isnan()
+
+
 def test_lm_head_loss_is_exact_where_the_softmax_underflows():
     h = torch.zeros(3, 4)
     h[1, 0] = 100.0  # row 1: its label's probability is exp(-300), 0 in float32
