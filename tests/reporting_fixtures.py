@@ -674,3 +674,37 @@ def check_tabulars(tex: str) -> None:
 
 def is_png(path: Path, min_size: int = 20_000) -> bool:
     return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > min_size
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def saved_figures(monkeypatch) -> list:
+    """Every matplotlib Figure saved from now on (dimattn.reporting.plots.figure saves each once)."""
+    from matplotlib.figure import Figure
+
+    saved, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), savefig(fig, *a, **k))[1])
+    return saved
+
+
+def score_labels(fig) -> list[str]:
+    """The label each score axis of ``fig`` carries: every drawn panel's y label (an unlabelled
+    panel reads its row's last labelled one to its left: a shared y), every colorbar's label; a
+    heat map's own y is a setting, its score on the colorbar."""
+    from matplotlib.collections import QuadMesh
+
+    labels, row_label = [], {}
+    for ax in fig.axes:  # panels in creation order: row by row, left to right; colorbars after
+        if not ax.get_visible():
+            continue
+        if hasattr(ax, "_colorbar"):  # before the heat maps: a colorbar is drawn as a QuadMesh too
+            labels.append(ax.get_ylabel() or ax.get_xlabel())
+            continue
+        if any(isinstance(c, QuadMesh) for c in ax.collections):
+            continue
+        spec = ax.get_subplotspec()
+        row = (id(spec.get_gridspec()), spec.rowspan.start)
+        row_label[row] = ax.get_ylabel() or row_label.get(row, "")
+        labels.append(row_label[row])
+    return labels

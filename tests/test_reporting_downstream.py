@@ -4,7 +4,16 @@ relative to the base model, by share of layers projected (seed 003, Figures 2-3)
 import json
 
 import pytest
-from reporting_fixtures import DOWNSTREAM, REFERENCE, is_png, summary_path, table_line, write_downstream_jsons
+from reporting_fixtures import (
+    DOWNSTREAM,
+    REFERENCE,
+    is_png,
+    saved_figures,
+    score_labels,
+    summary_path,
+    table_line,
+    write_downstream_jsons,
+)
 
 from dimattn.reporting import dimpo_downstream, outputs, summaries
 
@@ -16,12 +25,14 @@ def rendered(tmp_path_factory):
     root = tmp_path_factory.mktemp("downstream")
     summary = root / "summary"
     df = summaries.summarize_downstream(write_downstream_jsons(root), summary_path(summary, "dimpo_downstream"))
-    written = outputs.render(OUTPUTS, summary, REFERENCE, root)
-    return df, {p.name: p for p in written}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        figures = saved_figures(monkeypatch)
+        written = outputs.render(OUTPUTS, summary, REFERENCE, root)
+    return df, {p.name: p for p in written}, figures[0]
 
 
 def test_summary_is_long_with_share_and_perplexity(rendered):
-    df, _ = rendered
+    df, _, _ = rendered
     assert list(df.columns) == summaries.COLUMNS["dimpo_downstream"]
     assert len(df) == len(DOWNSTREAM) * 2  # accuracy and perplexity per model
     assert list(dict.fromkeys(df["objective"])) == ["base", "pca", "dimpo", "kl"]  # the paper's order
@@ -30,28 +41,41 @@ def test_summary_is_long_with_share_and_perplexity(rendered):
     assert dict(zip(df["num_projected"], df["share"])) == {0: 0.0, 2: 0.5, 4: 1.0}
 
 
-def test_relative_scores_read_100_for_the_base_and_lower_for_worse(rendered):
-    df, _ = rendered
+def test_relative_scores_read_100_for_the_base_and_keep_the_metric_direction(rendered):
+    df, _, _ = rendered
     rel = dimpo_downstream.relative(df).set_index(["objective", "num_projected", "task"])["rel"]
     assert rel[("base", 0, "dimattn_next_line")] == pytest.approx(100)
     assert rel[("pca", 4, "dimattn_next_line")] == pytest.approx(100 * 0.30 / 0.40)
-    # perplexity: lower is better, so base / projected
-    assert rel[("pca", 4, "perplexity:shakespeare")] == pytest.approx(100 * 50 / 80)
+    # perplexity: projected / base, never inverted, so a worse (higher) perplexity reads above 100
+    assert rel[("pca", 4, "perplexity:shakespeare")] == pytest.approx(100 * 80 / 50)
+    assert rel[("pca", 2, "perplexity:shakespeare")] > 100  # 60 against the base's 50
     with pytest.raises(ValueError, match="base-model"):
         dimpo_downstream.relative(df[df["objective"] != "base"])
 
 
 def test_table_cells_are_relative_scores(rendered):
-    _, written = rendered
+    _, written, _ = rendered
     tex = written["dimpo_downstream.tex"].read_text()
     cells = [c.strip() for c in table_line(tex, "PCA &").rstrip(" \\").split("&")[1:]]
-    assert cells == ["90.0", "75.0", f"{100 * 50 / 60:.1f}", f"{100 * 50 / 80:.1f}"]  # acc at l = 2, 4; then ppl
+    assert cells == ["90.0", "75.0", "120.0", "160.0"]  # acc at l = 2, 4; then ppl (60 and 80 of 50)
     assert "(base 0.4)" in tex and r"$l{=}4$ (100\%)" in tex
+    # each group says its direction
+    assert "acc (base 0.4), higher is better" in tex and "ppl (base 50), lower is better" in tex
 
 
 def test_figure_is_a_png(rendered):
-    _, written = rendered
+    _, written, _ = rendered
     assert is_png(written["dimpo_downstream.png"])
+
+
+def test_each_panel_says_which_way_is_better(rendered):
+    *_, fig = rendered
+    labels = [ax.get_ylabel() for ax in fig.axes if ax.get_visible()]
+    # ours (accuracy, perplexity), then the paper's RULER 4k and 8k
+    assert labels == ["accuracy, % of the base model\n(higher is better)",
+                      "perplexity, % of the base model\n(lower is better)",
+                      *["RULER score, % of the base model\n(higher is better)"] * 2]  # fmt: skip
+    assert score_labels(fig) == labels
 
 
 def test_a_malformed_record_names_its_file(tmp_path):

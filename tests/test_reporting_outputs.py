@@ -9,6 +9,8 @@ from reporting_fixtures import (
     fields,
     is_png,
     replicated,
+    saved_figures,
+    score_labels,
     summary_path,
     write_downstream_jsons,
     write_fidelity_csvs,
@@ -207,6 +209,19 @@ def test_the_summaries_call_for_what_the_config_called_for(full):
         assert is_png(path) if path.suffix == ".png" else r"\begin{tabular}" in path.read_text()
     # Atomic writes leave no temporary files behind.
     assert not [p for p in (root / "results").rglob(".*")]
+
+
+def test_every_figure_says_which_way_is_better_on_each_score_axis(full, tmp_path, monkeypatch):
+    _, summary = full
+    saved = saved_figures(monkeypatch)
+    labels = {}
+    for name in (n for n in outputs.OUTPUTS if n.endswith(".png")):
+        outputs.render([name], summary, REFERENCE, tmp_path)
+        (fig,) = saved[len(labels):]
+        labels[name] = score_labels(fig)
+    assert len(labels) >= 10 and all(labels.values())  # every figure of the full sweep, each with score axes
+    assert {name: [x for x in mine if "is better" not in x] for name, mine in labels.items()} == dict.fromkeys(
+        labels, [])
 
 
 def test_without_recall_runs_nothing_recall_is_rendered(tmp_path):

@@ -704,7 +704,7 @@ def trajectory_figure(frames: Frames, reference_dir: Path, path: Path) -> Path:
             ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False, fontsize=9)
         plots.hide_unused(axes, len(panels))
         for ax in axes[:, 0]:
-            ax.set_ylabel("validation perplexity\nrelative to Vanilla (%)")
+            ax.set_ylabel("validation perplexity relative to Vanilla (%)\nlower is better")
         fig.suptitle(
             "Validation perplexity relative to Vanilla during training (analogue of seed 000 Figure 3)\n"
             "100 = Vanilla at the same step; below 100 beats it"

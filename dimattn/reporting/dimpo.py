@@ -27,6 +27,7 @@ from matplotlib.lines import Line2D
 from ..sweeps import DEFAULT_SETTING, MAIN_STUDY, parse_setting
 from . import latex, paper, plots
 from .latex import DAGGER, MISSING, SpreadCells, Tex, fmt_fraction, fmt_sig
+from .lm_eval import better
 from .paper import DIMPO_HEAD_DIM, DIMPO_KEYS, OBJECTIVE_LABELS, objective_rank
 from .plots import OBJECTIVE_COLORS
 from .replicates import aggregate, seed_counts, spread
@@ -240,20 +241,20 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
             for ax, (metric, title) in zip(row_axes, metrics):
                 draw(ax, ours, metric, ours_styles, "ours", int(head_dim))
                 ax.set_title(f"{title}\nours: {model}, d={int(head_dim)}")
-                ax.set_ylabel(f"{metric.upper()}, mean over layers (log)")
+                ax.set_ylabel(f"{metric.upper()}, mean over layers (log)\n{better(metric)}")
             if topk:
                 ax = row_axes[2]
                 draw(ax, ours, "topk_recall", ours_styles, "ours", int(head_dim))
                 k = ", ".join(str(int(v)) for v in sorted(frames["dimpo_fidelity"]["top_k"].dropna().unique()))
                 ax.set_title(f"Top-k keys kept (k = {k}, 1/64 of the keys; higher is better)\nours: {model}, "
                              f"d={int(head_dim)}")  # fmt: skip
-                ax.set_ylabel("share of the top-k keys, mean over layers")
+                ax.set_ylabel(f"share of the top-k keys, mean over layers\n{better('topk_recall')}")
         if topk:
             axes[-1][2].set_visible(False)  # the paper reports no top-k share
         for ax, (metric, title) in zip(axes[-1], metrics):
             draw(ax, ref, f"{metric}_value", paper_styles, "paper", DIMPO_HEAD_DIM)
             ax.set_title(f"{title}\npaper: {paper_model}, d={DIMPO_HEAD_DIM}")
-            ax.set_ylabel(f"{metric.upper()}, mean over layers (log)")
+            ax.set_ylabel(f"{metric.upper()}, mean over layers (log)\n{better(metric)}")
         legend = list(handles.values()) + [
             Line2D([], [], color="0.3", lw=2.2, marker="o", label="ours: solid, filled"),
             Line2D([], [], color="0.3", lw=1.8, ls="--", marker="o", mfc="white", label="paper: dashed, hollow"),
@@ -437,7 +438,8 @@ def pairs_figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pat
                 ax.set_xticks(sorted(agg["x"].unique()), [str(int(x)) for x in sorted(agg["x"].unique())])
                 plots.plain_log_y(ax)
                 ax.set_xlabel("k")
-                ax.set_ylabel(f"{metric.upper()}, mean over layers and d'" + (" (log)" if ax.get_yscale() == "log" else ""))
+                log = " (log)" if ax.get_yscale() == "log" else ""
+                ax.set_ylabel(f"{metric.upper()}, mean over layers and d'{log}\n{better(metric)}")
                 ax.set_title(f"{title}\n{name}", fontsize=10)
         fig.legend(handles=list(handles.values()), labels=list(handles), loc="outside right center", frameon=False)
         d_primes = ", ".join(str(int(d)) for d in sorted(fid[fid["study"].isin([p[0] for p in panels])]["d_prime"].unique()))

@@ -3,9 +3,11 @@ on the last l attention layers, scored on held-out perplexity and lm-eval tasks 
 model (``dimpo_downstream.png``, ``dimpo_downstream.tex``), the paper's RULER 4k by share of
 layers (Table 4) beside.
 
-Scores are shown relative to the base model's (l = 0, same KV compression), in percent, so that
-100 is the base model and lower is worse for every metric: value / base for scores, base / value
-for perplexities. The share of layers projected, l / N, is what the paper's figures put on x.
+Scores are shown relative to the base model's (l = 0, same KV compression): value / base in
+percent, 100 the base model, never inverted, so a perplexity keeps its direction (above 100 is
+worse) as on the KV frontier; each axis and table group says which way is better
+(dimattn.reporting.lm_eval.lower_is_better). The share of layers projected, l / N, is what the
+paper's figures put on x.
 """
 
 from __future__ import annotations
@@ -18,21 +20,18 @@ import pandas as pd
 from ..sweeps import BASE_OBJECTIVE, MAIN_STUDY, NO_KV, RULER_TASK, RULER_TASKS
 from . import latex, paper, plots
 from .latex import MISSING, SpreadCells, Tex, fmt
+from .lm_eval import better
 from .paper import OBJECTIVE_LABELS, objective_rank
 from .plots import OBJECTIVE_COLORS
 from .replicates import Spread, aggregate, seed_counts, spread
 
-LOWER_IS_BETTER = ("ppl", "perplexity", "bits_per_byte")
 RECALL_TASK = "recall:"  # the recall probe's tasks in the summary: "recall:<corpus>"
 SUITE_TASK = "longctx:"  # the long-context suite's (dimattn.longctx): "longctx:<corpus>"
 
 
-def _lower_is_better(metric: str) -> bool:
-    return any(metric.split(",")[0].endswith(name) for name in LOWER_IS_BETTER)
-
-
 def relative(df: pd.DataFrame) -> pd.DataFrame:
-    """``rel``: each score in percent of the base model's score (same model, task, metric, kv)."""
+    """``rel``: each score in percent of the base model's score (same model, task, metric, kv),
+    value / base whatever the metric's direction."""
     keys = ["model", "task", "metric", "kv"]
     base = df[df["objective"] == BASE_OBJECTIVE].set_index(keys)["value"]
     if base.empty:
@@ -40,8 +39,7 @@ def relative(df: pd.DataFrame) -> pd.DataFrame:
     out = df.copy()
     ref = out.set_index(keys).index.map(base.get)
     out["base"] = list(ref)
-    lower = out["metric"].map(_lower_is_better)
-    out["rel"] = 100 * out["value"].where(~lower, out["base"]) / out["base"].where(~lower, out["value"])
+    out["rel"] = 100 * out["value"] / out["base"]
     return out
 
 
@@ -66,6 +64,15 @@ def _panels(df: pd.DataFrame) -> list[tuple[str, str]]:
     pairs = dict.fromkeys(zip(df["task"], df["metric"]))
     return [(t, m) for t, m in pairs
             if not (t.startswith(RECALL_TASK) and m != "acc") and not (t.startswith(SUITE_TASK) and m != "score")]
+
+
+_METRIC_NAMES = {"ppl": "perplexity", "acc": "accuracy"}
+
+
+def _metric_name(metric: str) -> str:
+    """A panel's y label's metric: lm-eval's "acc,none" as "accuracy"."""
+    name = metric.split(",")[0]
+    return _METRIC_NAMES.get(name, name)
 
 
 def _label(objective: str, d_prime: int, kv: str, many_d: bool) -> str:
@@ -106,7 +113,7 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
             shown = f"{base_value.iloc[0]:.4g}" if len(base_value) else "?"
             ax.set_title(f"ours: {model}\n{task} {metric} (base {shown})", fontsize=10)
             ax.set_xlabel("layers projected (%)")
-            ax.set_ylabel("% of the base model")
+            ax.set_ylabel(f"{_metric_name(metric)}, % of the base model\n({better(metric)})")
         for ax, column in zip(axes[len(panels):], ("ruler_4k", "ruler_8k")):
             for model, sel in ref.groupby("model", sort=False):
                 sel = sel.assign(share=sel["share_of_layers_pct"].astype(float), value=sel[column].astype(float))
@@ -116,7 +123,7 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
             ax.axhline(100, color="0.6", lw=1, ls=":")
             ax.set_title(f"paper (Table 4): RULER {column[-2:]}, DimPO d'=64", fontsize=10)
             ax.set_xlabel("layers projected (%)")
-            ax.set_ylabel("% of the base model")
+            ax.set_ylabel("RULER score, % of the base model\n(higher is better)")
             ax.legend(fontsize=8, frameon=False)
         plots.hide_unused(axes, n)
         fig.legend(handles=list(handles.values()), labels=list(handles), loc="outside right center", frameon=False)
@@ -142,6 +149,7 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
             sel = mine[(mine["task"] == task) & (mine["metric"] == metric)]
             base = sel[(sel["objective"] == BASE_OBJECTIVE) & (sel["kv"] == NO_KV)]["value"]
             title = f"{model}: {task} {metric}" + (f" (base {base.iloc[0]:.4g})" if len(base) else "")
+            title += f", {better(metric)}"
             groups.append({"title": Tex(latex.escape(title)),
                            "columns": [Tex(rf"$l{{=}}{int(l)}$ ({100 * l / n_layers:.0f}\%)") for l in shares]})
             selections.append(sel[sel["objective"] != BASE_OBJECTIVE])
@@ -158,8 +166,9 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
                      "space": False})  # fmt: skip
     caption = (
         "Projected models at work (seed 003, Section 4): the score of the model with Table 1's projection on its "
-        "last $l$ attention layers, in percent of the base model's (with the same KV compression; for perplexity, "
-        "base / projected), per objective. The paper's RULER results are in its Tables 2-5 "
+        "last $l$ attention layers, in percent of the base model's (with the same KV compression; projected / base "
+        "for every metric, so above 100 is better for a score and worse for a perplexity, as each group says), "
+        "per objective. The paper's RULER results are in its Tables 2-5 "
         "(reference/dimpo\\_ruler\\_*.csv); ours are CPU-scale tasks."
     )
     return latex.grouped_table(path, "dimpo_downstream.table", groups, body, Tex(caption), "dimpo_downstream",

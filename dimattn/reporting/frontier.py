@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import plots
+from .lm_eval import better, lower_is_better
 from .replicates import aggregate, seed_counts, spread
 
 # What tells one point from another: the model's identity without its seed.
@@ -36,7 +37,7 @@ def points(df: pd.DataFrame) -> pd.DataFrame:
     out = aggregate(df, ["value", "rel_to_base", "cache_bytes_per_token"], [c for c in POINT if c in df.columns])
     out["pareto"] = False
     for _, part in out.groupby("probe", sort=False):
-        higher = bool(part["higher_is_better"].iloc[0])
+        higher = not lower_is_better(part["metric"].iloc[0])
         quality = part["rel_to_base"] if higher else -part["rel_to_base"]
         nbytes = part["cache_bytes_per_token"]
         for i in part.index:
@@ -84,7 +85,8 @@ def figure(df: pd.DataFrame, path: Path) -> Path:
         axes = fig.subplots(nrows, ncols, squeeze=False)
         for ax, probe in zip(axes.flat, probes):
             part = pts[pts["probe"] == probe].sort_values("cache_bytes_per_token")
-            higher = bool(part["higher_is_better"].iloc[0])
+            metric = part["metric"].iloc[0]
+            higher = not lower_is_better(metric)
             for _, row in part.iterrows():
                 marker = "o" if row["source"] == "run" else "^"
                 plots.line(ax, [row["cache_bytes_per_token"]], [spread(row, "rel_to_base")], color=_color(row),
@@ -106,8 +108,7 @@ def figure(df: pd.DataFrame, path: Path) -> Path:
             ax.axhline(100, color="0.6", lw=0.8, ls="--")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("KV-cache bytes per token (measured, model dtype)")
-            metric = part["metric"].iloc[0]
-            ax.set_ylabel(f"{metric}, % of its base ({'higher' if higher else 'lower'} is better)")
+            ax.set_ylabel(f"{metric}, % of its base ({better(metric)})")
             ax.set_title(probe, fontsize="medium")
         plots.hide_unused(axes, len(probes))
         families = dict.fromkeys((r["family"], r["source"], _color(r)) for _, r in pts.iterrows())

@@ -15,12 +15,19 @@ from . import latex, selection
 from .latex import MISSING, SpreadCells, Tex, integer
 from .replicates import seed_counts, settings
 
-# Metrics where a smaller value is better; everything else lm-eval reports counts up.
-LOWER_IS_BETTER = {"perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"}
+# The one home of a score's direction: metrics where a smaller value is better, lm-eval's and
+# ours (held-out "ppl", DimPO's fidelity "kl" and "mse"); every other score counts up.
+LOWER_IS_BETTER = {"perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "ppl", "kl", "mse"}
 
 
 def lower_is_better(metric: str) -> bool:
+    """Whether a smaller value of ``metric`` (lm-eval's "metric,filter" or a bare name) is better."""
     return metric.split(",")[0] in LOWER_IS_BETTER
+
+
+def better(metric: str) -> str:
+    """What an axis or column of ``metric`` says of its direction."""
+    return "lower is better" if lower_is_better(metric) else "higher is better"
 
 
 def metric_label(metric: str) -> str:

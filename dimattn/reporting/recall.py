@@ -232,7 +232,7 @@ def _accuracy_by_width(ax, block: dict, head: str) -> None:
         )
         ax.set_xticks([])
     ax.set_ylim(-2, 102)
-    ax.set_ylabel("recall accuracy (%)")
+    ax.set_ylabel("recall accuracy (%)\nhigher is better")
     ax.set_title(f"{head}: accuracy vs. bottleneck width", fontsize=11)
     ax.legend(loc="best", fontsize=9, frameon=True)
 
@@ -273,6 +273,6 @@ def _accuracy_by_distance(ax, block: dict, head: str) -> None:
     )
     ax.set_ylim(-2, 102)
     ax.set_xlabel("query-to-key distance (tokens)")
-    ax.set_ylabel("recall accuracy (%)")
+    ax.set_ylabel("recall accuracy (%)\nhigher is better")
     ax.set_title(f"{head}: accuracy by query distance", fontsize=11)
     ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=9, frameon=False)

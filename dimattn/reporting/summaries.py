@@ -35,6 +35,7 @@ from ..atomic import atomic_file
 from ..formats import FIDELITY_COLUMNS
 from ..runs import run_metadata
 from ..sweeps import BASE_OBJECTIVE, MAIN_STUDY, RULER_TASKS
+from .lm_eval import lower_is_better
 from .paper import objective_rank
 from .replicates import relative
 
@@ -566,12 +567,13 @@ def summarize_latency(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike |
 
 # ----------------------------------------------------------------------------- the frontier
 
-# probe kind -> (metric, higher is better, the record key that marks a run's record of it, its
-# value in a record): the keys a run's and a projected model's records share per probe
+# probe kind -> (metric, the record key that marks a run's record of it, its value in a record):
+# the keys a run's and a projected model's records share per probe; the metric's direction is
+# lm_eval.lower_is_better's
 FRONTIER_PROBES = {
-    "perplexity": ("ppl", False, "ppl", lambda r: r["ppl"]),
-    "recall": ("accuracy", True, "by_distance", lambda r: r["accuracy"]),
-    "longctx": ("score", True, "subtasks", lambda r: r["average"] / 100),
+    "perplexity": ("ppl", "ppl", lambda r: r["ppl"]),
+    "recall": ("accuracy", "by_distance", lambda r: r["accuracy"]),
+    "longctx": ("score", "subtasks", lambda r: r["average"] / 100),
 }
 
 
@@ -607,7 +609,7 @@ def _frontier_rows(path, record: dict) -> list[dict]:
                   **fields, "attention": None}  # fmt: skip
     else:
         fields = _run_fields(record, path)
-        kinds = [kind for kind, (_, _, marker, _) in FRONTIER_PROBES.items() if marker in record]
+        kinds = [kind for kind, (_, marker, _) in FRONTIER_PROBES.items() if marker in record]
         if not kinds:
             raise ValueError(f"{path}: neither a perplexity, recall, long-context nor score_projected record")
         scored = [(kinds[0], record["corpus"], record)]
@@ -615,9 +617,9 @@ def _frontier_rows(path, record: dict) -> list[dict]:
                   **fields}  # fmt: skip
     rows = []
     for kind, corpus, entry in scored:
-        metric, higher, _, value_of = FRONTIER_PROBES[kind]
-        rows.append(common | {"probe": f"{kind}:{corpus}", "metric": metric, "higher_is_better": higher,
-                              "value": float(value_of(entry)),
+        metric, _, value_of = FRONTIER_PROBES[kind]
+        rows.append(common | {"probe": f"{kind}:{corpus}", "metric": metric,
+                              "higher_is_better": not lower_is_better(metric), "value": float(value_of(entry)),
                               "cache_bytes_per_token": _bytes(entry, path, kind)})  # fmt: skip
     return rows
 
