@@ -6,7 +6,7 @@
 
 Sections, in order (each line names its section; ``elapsed_s`` is the section's wall time):
 
-- ``matmul_peak``: a square bf16 matmul on random data (n = 8192 on CUDA, 1024 on CPU), FLOP/s: the peak the
+- ``matmul_peak``: a square bf16 matmul on random data (n = 8192 on CUDA, 1024 on CPU; the fastest call on CPU), FLOP/s: the peak the
   MFU lines divide by, beside benchmarks/attention.py's constant for the H200 (790 TFLOP/s).
 - ``kernels``: the DAR, sliding-window and dilated FlexAttention kernels (``kernel="flex"``, what
   "auto" picks on CUDA) in bf16 against the CPU reference kernel ("dense") in float64 on the same
@@ -18,9 +18,16 @@ Sections, in order (each line names its section; ``elapsed_s`` is the section's 
   FlexAttention's 128-block at one shape. Off CUDA FlexAttention runs unfused and forward-only,
   so gradients are skipped there (a ``skipped`` line says so; the test runs the gradient checks
   on CPU with the blocked kernel as ``KERNEL``).
-- ``kernel_speed`` (CUDA): forward+backward of each FlexAttention kernel over causal SDPA (what
-  vanilla attention runs) at Pythia-70M's attention shape (B=16, H=8, T=2048, D=64, w=128), bf16,
-  beside the FLOP ratio of the live query-key pairs: how far each kernel is from its share of work.
+- ``kernel_speed``: each FlexAttention kernel through the library call (``kernel="flex"``) over causal
+  SDPA (what vanilla attention runs), forward+backward on CUDA at Pythia-70M's attention shape (B=16, H=8,
+  T=2048, D=64) at w = 128 and 512, bf16; forward alone at tiny shapes with --small off CUDA (unfused there).
+  Each line puts ``time_ratio_over_sdpa`` beside ``live_pair_ratio`` (live (query, key) pairs of the
+  mask_mod over causal's) and what decides whether time can follow them: the BlockMask's block size and
+  full / partial / empty block counts, its sparsity, ``computed_blocks_over_causal`` (the floor a
+  block-sparse kernel can reach), ``mask_build_s`` (built outside the timed step), whether the timed
+  calls reused the cached mask (``mask_cached``), the same kernel with the mask passed in directly
+  (``flex_prebuilt_mask_ms``), and ``compiled``: whether the call ran one of flex_attention's own compiled
+  graphs (past dynamo's recompile limit it silently runs the unfused path; a check on CUDA).
 - ``train``: one optimizer step of dimattn.training's loop (bf16 autocast, forward with the loss,
   backward, clipping, configure_optimizer's fused AdamW) on Pythia-70M's shapes (6 layers, d=512,
   8 heads, rotary_pct 0.25, vocab 50,304, seq 2048; vanilla and DAR w=128, d_down=128), through
@@ -51,6 +58,7 @@ import ctypes
 import json
 import platform
 import resource
+import statistics
 import sys
 import time
 import zlib
@@ -61,9 +69,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._host import matmul_peak as host_matmul_peak  # noqa: E402
 from benchmarks.attention import H200_BF16_FLOPS, emit, interleaved  # noqa: E402
 from benchmarks.training import step_flops  # noqa: E402
 from dimattn import DimAttnConfig, DimAttnForCausalLM  # noqa: E402
+from dimattn import attention as attn  # noqa: E402
 from dimattn.attention import dar_attention, dilated_attention, sliding_window_attention  # noqa: E402
 from dimattn.precision import autocast  # noqa: E402
 from dimattn.training import TrainConfig, configure_optimizer, keep_freed_memory  # noqa: E402
@@ -76,6 +86,11 @@ KERNEL = "flex"  # the kernel checked; the test swaps in "blocked" to run the gr
 KERNEL_SHAPES = {"full": [(2, 8, 1000, 64, 128), (1, 8, 2048, 64, 256)],
                  "small": [(1, 2, 150, 16, 20), (2, 2, 64, 16, 16)]}
 DILATION = 4
+# kernel_speed: (B, H, T, D) and the windows. full: Pythia-70M's attention shape, w 128 and a wider one so
+# the run shows time against live pairs at two points; small: T of 4 blocks of 128, two windows whose
+# block masks differ (at one block each, w 16 and w 64 would cover the same blocks)
+SPEED = {"full": dict(shape=(16, 8, 2048, 64), windows=(128, 512)),
+         "small": dict(shape=(1, 2, 512, 16), windows=(128, 256))}
 PYTHIA_70M = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, rotary_pct=0.25)
 SHAPES = {
     # Pythia-70M: (architecture, vocab, seq, batch); DAR w=128, d_down=d/4 as benchmarks/attention.py's gpu suite
@@ -103,15 +118,23 @@ def skipped(section, what, reason):
 
 
 def matmul_peak(device, small, repeats=10):
-    """bf16 FLOP/s of an n x n matmul on random data (never zeros: they run faster on an H200)."""
-    n = 256 if small else 8192 if device.type == "cuda" else 1024  # 8192 on a CPU: minutes
-    g = torch.Generator(device=device).manual_seed(0)
-    a, b = (torch.randn(n, n, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
-    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
-    loops = 4 if small else 20
-    seconds = interleaved({"mm": lambda: [torch.mm(a, b, out=out) for _ in range(loops)]}, repeats, device)["mm"]
-    flops = 2 * n**3 * loops / seconds
+    """bf16 FLOP/s of an n x n matmul on random data (never zeros: they run faster on an H200). On a
+    CPU the fastest single call at this process's threads (benchmarks/_host.py's measure): a median
+    of 256-wide calls is mostly call overhead there, below what a model step reaches (CI's host read
+    an MFU of 1.02 against it)."""
+    cuda = device.type == "cuda"
+    n = (256 if small else 8192) if cuda else (512 if small else 1024)  # 8192 on a CPU: minutes
+    if cuda:
+        g = torch.Generator(device=device).manual_seed(0)
+        a, b = (torch.randn(n, n, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
+        out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+        loops = 4 if small else 20
+        seconds = interleaved({"mm": lambda: [torch.mm(a, b, out=out) for _ in range(loops)]}, repeats, device)["mm"]
+        flops = 2 * n**3 * loops / seconds
+    else:
+        flops = host_matmul_peak(torch.bfloat16, n=n, threads=torch.get_num_threads()) * 1e9
     emit({"name": "matmul_peak", "dtype": "bfloat16", "n": n, "tflops": round(flops / 1e12, 3),
+          "measure": "median of interleaved loops" if cuda else "fastest call",
           "h200_constant_tflops": H200_BF16_FLOPS / 1e12, "device": _device_name(device)})
     return flops
 
@@ -182,30 +205,151 @@ def check_kernels(device, small):
                   "shape": dict(B=B, H=H, T=T, D=D, window=w, **({"dilation": DILATION} if pattern == "dilated" else {}))})
 
 
-def kernel_speed(device, repeats=20):
-    """fwd+bwd of each flex kernel / causal SDPA, with the ratio of live query-key pairs."""
-    if device.type != "cuda":
-        skipped("kernel_speed", "FlexAttention timing", "FlexAttention is fused on CUDA only")
+def _live_pairs(pattern, T, w):
+    """Live (query, key) pairs of a pattern's mask_mod, evaluated densely on CPU: what the kernel is told."""
+    kv_len = 2 * T if pattern == "dar" else T
+    i, j = torch.arange(T)[:, None], torch.arange(kv_len)[None, :]
+    return int(attn._FLEX_MASKS[pattern](T, w, DILATION)(0, 0, i, j).sum())
+
+
+def _block_stats(mask):
+    """Block counts of a BlockMask (one batch and head: the masks broadcast). kv_num_blocks counts the
+    partial blocks (mask_mod applied per element) once full_kv_num_blocks holds the full ones."""
+    bq, bk = mask.BLOCK_SIZE
+    q_blocks, kv_blocks = -(-mask.seq_lengths[0] // bq), -(-mask.seq_lengths[1] // bk)
+    partial = int(mask.kv_num_blocks.sum())
+    full = int(mask.full_kv_num_blocks.sum()) if mask.full_kv_num_blocks is not None else 0
+    total = q_blocks * kv_blocks
+    return {"block_size": [bq, bk], "q_blocks": q_blocks, "kv_blocks": kv_blocks, "total_blocks": total,
+            "full_blocks": full, "partial_blocks": partial, "empty_blocks": total - full - partial,
+            "sparsity": round(mask.sparsity() / 100, 6)}
+
+
+def _ran_compiled(call):
+    """Whether one call ran a graph compiled from flex_attention itself. Past dynamo's recompile limit the
+    compiled wrapper runs flex_attention eagerly (unfused) with no error, and eager flex_attention compiles
+    an inner wrapper of its own, so a compiled region alone proves nothing: it must be one of
+    flex_attention's cache entries."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call()
+    own = {getattr(entry, "trace_annotation", None) or f"Torch-Compiled Region: {entry.compile_id}"
+           for entry in _debug_get_cache_entry_list(flex_attention)}
+    return any(event.name in own for event in prof.events())
+
+
+def _flex_entries():
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return len(_debug_get_cache_entry_list(flex_attention))
+
+
+def _median_s(fn, device, repeats=3):
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def kernel_speed(device, small, repeats=None):
+    """Each flex kernel / causal SDPA beside its live (query, key) pairs / causal's, with what decides
+    whether time can follow them: the BlockMask's blocks, where the mask is built, whether compiled."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    cuda = device.type == "cuda"
+    if not cuda and not small:
+        skipped("kernel_speed", "FlexAttention timing",
+                "full shapes off CUDA: the unfused path materialises B*H*T*T scores; run with --small")
         return
+    if not cuda:
+        skipped("kernel_speed", "FlexAttention backward timing",
+                f"FlexAttention compiles its backward on CUDA only; on {device.type} forward alone is timed")
     import torch.nn.functional as F
 
-    B, H, T, D, w = 16, 8, 2048, 64, 128
+    speed = SPEED["small" if small else "full"]
+    B, H, T, D = speed["shape"]
+    repeats = repeats or (20 if cuda else 3)
     g = torch.Generator(device=device).manual_seed(0)
-    ts = [torch.randn(B, H, T, D, generator=g, device=device, dtype=torch.bfloat16).requires_grad_() for _ in range(5)]
+    # no grad off CUDA: FlexAttention refuses inputs that require it there
+    ts = [torch.randn(B, H, T, D, generator=g, device=device, dtype=torch.bfloat16).requires_grad_(cuda)
+          for _ in range(5)]
     grad = torch.randn(B, H, T, D, generator=g, device=device, dtype=torch.bfloat16)
+    kv2 = [torch.cat(ts[i:5:2], -2).detach().requires_grad_(cuda) for i in (1, 2)]  # DAR's keys, values
+    kernel_fn = attn._compiled_flex()  # what the library calls outside a compiled model
+
+    def step(fn):  # one timed step: forward+backward where flex has a backward (CUDA), else forward
+        return (lambda: fn().backward(grad)) if cuda else fn
+
     causal = T * (T + 1) / 2
-    pairs = {"dar": causal,  # near and far keys together: one per earlier position
-             "swa": sum(min(i + 1, w) for i in range(T)),
-             "dilated": sum(min(i + 1, w) + max(0, (i - w) // DILATION + 1) for i in range(T))}
-    cases = {"sdpa_causal": lambda: F.scaled_dot_product_attention(*ts[:3], is_causal=True).backward(grad)}
-    for pattern, (n_inputs, fn) in PATTERNS.items():
-        cases[pattern] = lambda fn=fn, n=n_inputs: fn(ts[:n], w, "flex").backward(grad)
+    cases = {"sdpa": step(lambda: F.scaled_dot_product_attention(*ts[:3], is_causal=True))}
+    if cuda:
+        cases["sdpa_fwd"] = lambda: F.scaled_dot_product_attention(*ts[:3], is_causal=True)
+    info = {}
+    for w in speed["windows"]:
+        for pattern, (n_inputs, fn) in PATTERNS.items():
+            key = f"{pattern}_w{w}"
+            start = time.perf_counter()
+            fresh = attn._create_block_mask(pattern, T, w, DILATION, device)  # what a miss of the cache costs
+            _sync(device)
+            build_first = time.perf_counter() - start
+            mask_build_s = _median_s(lambda: attn._create_block_mask(pattern, T, w, DILATION, device), device)
+            library = step(lambda fn=fn, n=n_inputs, w=w: fn(ts[:n], w, "flex"))
+            mask = attn._cached_block_mask(pattern, T, w, DILATION, str(ts[0].device))  # the library's object
+            kv = kv2 if pattern == "dar" else ts[1:3]
+            prebuilt = step(lambda kv=kv, mask=mask: kernel_fn(ts[0], *kv, block_mask=mask))
+            start = time.perf_counter()
+            library()  # compiles this pattern and shape where the kernel is compiled
+            _sync(device)
+            first_call_s = time.perf_counter() - start
+            misses = attn._cached_block_mask.cache_info().misses
+            compiled = _ran_compiled(library)
+            info[key] = dict(pattern=pattern, w=w, mask=fresh, mask_build_s=mask_build_s, build_first_s=build_first,
+                             first_call_s=first_call_s, compiled=compiled,
+                             built_in_call=attn._cached_block_mask.cache_info().misses - misses,
+                             live=_live_pairs(pattern, T, w))
+            cases[key], cases[f"{key}_prebuilt"] = library, prebuilt
+            if cuda:
+                cases[f"{key}_fwd"] = lambda fn=fn, n=n_inputs, w=w: fn(ts[:n], w, "flex")
+            if kernel_fn is not flex_attention and not compiled:
+                failures.append(f"kernel_speed_{key}_not_compiled")
+    misses, frames = attn._cached_block_mask.cache_info().misses, counters["frames"]["total"]
     t = interleaved(cases, repeats, device)
-    for pattern in PATTERNS:
-        emit({"name": "kernel_speed", "section": "kernel_speed", "pattern": pattern,
-              "over_sdpa_causal": round(t[pattern] / t["sdpa_causal"], 4), "pairs_over_causal": round(pairs[pattern] / causal, 4),
-              "fwd_bwd_ms": round(1e3 * t[pattern], 3), "sdpa_causal_ms": round(1e3 * t["sdpa_causal"], 3),
-              "shape": dict(B=B, H=H, T=T, D=D, window=w), "dtype": "bfloat16", "device": _device_name(device)})
+    misses, frames = attn._cached_block_mask.cache_info().misses - misses, counters["frames"]["total"] - frames
+    for key, rec in info.items():
+        stats = _block_stats(rec["mask"])
+        q_blocks = stats["q_blocks"]
+        computed = stats["full_blocks"] + stats["partial_blocks"]
+        record = {"name": "kernel_speed", "section": "kernel_speed", "pattern": rec["pattern"], "window": rec["w"],
+                  "timed": "forward+backward" if cuda else "forward",
+                  "live_pair_ratio": round(rec["live"] / causal, 6),
+                  "time_ratio_over_sdpa": round(t[key] / t["sdpa"], 4),
+                  # the least time a block-sparse kernel can take over causal's blocks at this block size
+                  "computed_blocks_over_causal": round(computed / (q_blocks * (q_blocks + 1) / 2), 4),
+                  "flex_ms": round(1e3 * t[key], 3), "flex_prebuilt_mask_ms": round(1e3 * t[f"{key}_prebuilt"], 3),
+                  "sdpa_causal_ms": round(1e3 * t["sdpa"], 3), **stats,
+                  "mask_build_s": round(rec["mask_build_s"], 6), "mask_first_build_s": round(rec["build_first_s"], 4),
+                  "mask_built_in_timed_call": bool(rec["built_in_call"]),
+                  "mask_cache_misses_during_timing": misses, "mask_cached": not rec["built_in_call"] and not misses,
+                  "compiled": rec["compiled"], "dynamo_frames_compiled_during_timing": frames,
+                  "kernel_fn": "flex_attention (eager: unfused, scores materialised)" if kernel_fn is flex_attention
+                  else "torch.compile(flex_attention)",
+                  "flex_cache_entries": _flex_entries(), "recompile_limit": torch._dynamo.config.recompile_limit,
+                  "first_call_s": round(rec["first_call_s"], 3),
+                  "shape": dict(B=B, H=H, T=T, D=D, window=rec["w"],
+                                **({"dilation": DILATION} if rec["pattern"] == "dilated" else {})),
+                  "dtype": "bfloat16", "device": _device_name(device)}
+        if cuda:
+            record |= {"fwd_ratio_over_sdpa": round(t[f"{key}_fwd"] / t["sdpa_fwd"], 4),
+                       "flex_fwd_ms": round(1e3 * t[f"{key}_fwd"], 3), "sdpa_fwd_ms": round(1e3 * t["sdpa_fwd"], 3)}
+        emit(record)
 
 
 # --- Pythia-70M training step ------------------------------------------------------------------
@@ -450,7 +594,7 @@ def main(argv=None):
           "cuda": torch.version.cuda, "threads": torch.get_num_threads(), "sections": only})
     peak = matmul_peak(device, args.small)
     steps = {"kernels": lambda: check_kernels(device, args.small),
-             "kernel_speed": lambda: kernel_speed(device),
+             "kernel_speed": lambda: kernel_speed(device, args.small),
              "train": lambda: train_step(device, args.small, peak, args.repeats or (2 if args.small else 10)),
              "fit": lambda: fit_step(device, args.small),
              "capture": lambda: capture_layer(device, args.small),

@@ -75,7 +75,36 @@ def test_flex_kernels_pass_against_the_cpu_reference(small_run):
         assert err["max_abs"] > 0  # bf16 against float64: never exactly equal
     skipped = {(line["section"], line["what"]) for line in by_name(lines, "skipped")}
     assert skipped == {("kernels", "FlexAttention backward (gradients)"), ("train", "torch.compile"),
-                       ("capture", "peak GPU memory"), ("kernel_speed", "FlexAttention timing")}  # fmt: skip
+                       ("capture", "peak GPU memory"), ("kernel_speed", "FlexAttention backward timing")}  # fmt: skip
+
+
+def test_kernel_speed_reports_live_pairs_blocks_and_where_the_mask_is_built(small_run):
+    """Each kernel_speed line puts its time beside what can make time follow the live pairs: the
+    live-pair ratio (checked against the patterns' definitions, counted here row by row), the
+    BlockMask's block counts adding up to its grid and matching its sparsity, the mask cached
+    outside the timed calls, and whether the compiled kernel ran (never off CUDA)."""
+    _, lines = small_run
+    speed = by_name(lines, "kernel_speed")
+    assert {(s["pattern"], s["window"]) for s in speed} == {(p, w) for p in ("dar", "swa", "dilated") for w in (128, 256)}
+    for s in speed:
+        T, w = s["shape"]["T"], s["window"]
+        causal = T * (T + 1) / 2
+        # seed 001: a query sees its w most recent keys; dilated adds every 4th key beyond the window.
+        # DAR (seed 000): one key per earlier position, full inside the window and bottlenecked beyond
+        live = {"swa": sum(min(i + 1, w) for i in range(T)),
+                "dilated": sum(min(i + 1, w) + max(0, (i - w) // 4 + 1) for i in range(T)),
+                "dar": causal}[s["pattern"]]
+        assert s["live_pair_ratio"] == pytest.approx(live / causal, abs=1e-6)
+        assert s["full_blocks"] + s["partial_blocks"] + s["empty_blocks"] == s["total_blocks"]
+        assert s["total_blocks"] == s["q_blocks"] * s["kv_blocks"]
+        assert s["sparsity"] == pytest.approx(s["empty_blocks"] / s["total_blocks"], abs=1e-6)
+        assert s["mask_cached"] and not s["mask_built_in_timed_call"] and s["mask_build_s"] > 0
+        assert s["compiled"] is False and s["timed"] == "forward"
+        assert s["time_ratio_over_sdpa"] > 0 and s["flex_prebuilt_mask_ms"] > 0
+    by_key = {(s["pattern"], s["window"]): s for s in speed}
+    # a wider window keeps more of the causal triangle: more live pairs and no fewer computed blocks
+    assert by_key["swa", 256]["live_pair_ratio"] > by_key["swa", 128]["live_pair_ratio"]
+    assert by_key["swa", 256]["computed_blocks_over_causal"] >= by_key["swa", 128]["computed_blocks_over_causal"]
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
