@@ -380,8 +380,8 @@ class Plan:
         where generation is (the recall probe, a hub model's tasks), and on a plain KV cache (not
         a DAR or uniform model's latent one)."""
         ds = self.downstream
-        if not (self.dimpo_enabled and ds["objectives"]):
-            return []
+        if not (self.dimpo_enabled and ds["objectives"] and self.num_projected(model)):
+            return []  # num_projected: [] of a model: fitted (Table 1), not projected downstream
         generative = self.dimpo_probe(model) != "text" and not self.keeps_own_cache(model)
         kvs = [{"name": NO_KV}] + [kv for kv in ds["kv"] if generative and model in kv.get("models", [model])]
         main = setting_name(self.dimpo["settings"][0])
@@ -430,7 +430,7 @@ class Plan:
         cache, which SnapKV compresses, once Table 1's projections are applied downstream."""
         if self.latency is None or not self.downstream["objectives"]:
             return []
-        return [m for m in self.dimpo_models if not self.keeps_own_cache(m)]
+        return [m for m in self.dimpo_models if not self.keeps_own_cache(m) and self.projected(m)]
 
     def latency_projection(self, model: str) -> tuple[str, str, int, int]:
         """(objective, setting, d', seed) of the fit the latency job applies: Table 1's DimPO (or
@@ -755,12 +755,14 @@ def _check_downstream(p: Plan) -> None:
         return
     if not ds["d_prime"]:
         raise ConfigError("dimpo.downstream.d_prime", "required when dimpo.downstream.objectives names one")
-    bare = [m for m in p.dimpo_models if not p.num_projected(m)]
+    bare = [m for m, spec in p.dimpo_models.items() if "num_projected" not in spec and not p.num_projected(m)]
     if bare:
         raise ConfigError("dimpo.downstream.num_projected", f"required when dimpo.downstream.objectives names one "
                                                             f"and a model sets none ({bare[0]!r})")
     for key in ("objectives", "d_prime"):
         for i, model in enumerate(p.dimpo_models):
+            if not p.num_projected(model):
+                continue  # fitted only
             asked, culprit = ds[key], f"dimpo.downstream.{key}"
             if key == "d_prime" and "downstream_d_prime" in p.dimpo_models[model]:
                 asked, culprit = p.downstream_d_prime(model), f"dimpo.models[{i}].downstream_d_prime"

@@ -19,8 +19,27 @@ def plan_of(config):
     return sweeps.plan(sweeps.validate(config))
 
 
+def text_branch(config):
+    """The default without its suite study (the long model, its corpus, scale, sweep and KV
+    settings), tiny-vanilla projected downstream at d' = 4 on 2 and 4 layers as cpu-full does: the
+    base every bad-config case mutates, so that each adds the suite where it tests the suite."""
+    c = copy.deepcopy(config)
+    c["dimpo"]["models"] = [{k: v for k, v in m.items() if k != "num_projected"}
+                            for m in c["dimpo"]["models"] if m["run"] != "long-vanilla"]  # fmt: skip
+    for name in ("longctx", "longctx_x2"):
+        c["datasets"].pop(name)
+    c["pretraining"]["scales"].pop("long")
+    c["pretraining"]["sweeps"] = [s for s in c["pretraining"]["sweeps"] if s["scale"] != "long"]
+    c["evaluation"].pop("longctx")
+    c["dimpo"]["downstream"] = {**c["dimpo"]["downstream"], "d_prime": [4], "num_projected": [2, 4], "kv": []}
+    return c
+
+
+TEXT = text_branch(DEFAULT)
+
+
 def mutated(mutate):
-    config = copy.deepcopy(DEFAULT)
+    config = copy.deepcopy(TEXT)
     mutate(config)
     return config
 
@@ -29,7 +48,7 @@ def add_sweep(sweep):
     return lambda c: c["pretraining"]["sweeps"].append(sweep)
 
 
-NEXT = f"pretraining.sweeps[{len(DEFAULT['pretraining']['sweeps'])}]"
+NEXT = f"pretraining.sweeps[{len(TEXT['pretraining']['sweeps'])}]"
 
 
 def test_default_plan():
@@ -347,7 +366,11 @@ def test_a_long_context_run_is_scored_on_the_suite_alone():
     assert plan.perplexity_targets("long-vanilla") == [] and plan.longctx_targets("long-vanilla") == ["longctx", "longctx_x2"]
     assert plan.runs["long-vanilla"].synthetic and plan.is_synthetic("longctx_x2")
     assert plan_of(mutated(lambda c: with_long(c, x2=False))).longctx_targets("long-vanilla") == ["longctx"]
-    assert plan_of(DEFAULT).longctx_runs == [] and plan_of(DEFAULT).reported_runs == list(plan_of(DEFAULT).runs)
+    text = plan_of(TEXT)
+    assert text.longctx_runs == [] and text.reported_runs == list(text.runs)
+    default = plan_of(DEFAULT)  # the default's suite study: its one long-context run
+    assert default.longctx_runs == ["long-vanilla"] and default.longctx_datasets == ["longctx", "longctx_x2"]
+    assert default.reported_runs == [r for r in default.runs if r != "long-vanilla"]
 
 
 def test_long_context_defaults_are_the_generator_defaults():
@@ -541,7 +564,14 @@ def test_dimpo_fits_of_table1_and_the_studies():
     quirks = [f for f in fits if f.study == "quirks"]
     assert [f.setting for f in quirks][:2] == ["preset=authors", "preset=authors,causal=true"]
     assert [f.order for f in quirks] == list(range(len(DEFAULT["dimpo"]["ablations"]["quirks"]["settings"])))
-    assert plan.dimpo_studies == ("table1", "quirks", "downstream")
+    # the default's downstream study is the suite model's: the long-context report, its KV frontier
+    assert plan.dimpo_studies == ("table1", "quirks", "downstream", "long_context", "kv", "suite")
+    assert plan_of(TEXT).dimpo_studies == ("table1", "quirks", "downstream")
+    long = plan.projected("long")
+    assert {p.num_projected for p in long} == {0, 2, 3, 6} and {p.seed for p in long} == {0, 1}
+    assert {p.objective for p in long} == {"base", "pca", "kl", "dimpo"} and {p.d_prime for p in long} == {0, 16}
+    assert {p.kv for p in long if p.num_projected == 6} == {"none", "kivi2", "snapkv16"}
+    assert plan.projected("tiny-vanilla") == []  # fitted only (Table 1, the quirks)
     assert plan.dimpo_settings["preset=authors,max_preferred=null"] == {"preset": "authors", "max_preferred": None}
     both = plan_of(mutated(lambda c: c["dimpo"].update(settings=[{"preset": "ours"}, {"preset": "authors"}])))
     assert {f.setting for f in both.dimpo_fits if f.study == "table1"} == {"preset=ours", "preset=authors"}
@@ -556,7 +586,7 @@ def test_downstream_plan():
     # tiny-vanilla is scored on perplexity and loglikelihood tasks, which KV compression leaves
     # exact: no compressed models (the recall probe and hub models get them)
     assert projected[0] == sweeps.Projected("base", 0, 0, "none")
-    assert len(projected) == 1 + 2 * 1 * 2  # base, then objectives x d' x l
+    assert len(projected) == 1 + 2 * 1 * 2 * len(TEXT["dimpo"]["seeds"])  # base, then objectives x d' x l x fit seed
     assert plan.kv_settings("kivi2") == {"kivi": {"bits": 2, "group_size": 32, "residual": 128}}  # schema defaults
     assert plan.kv_settings("none") == {} and "downstream" in plan.dimpo_studies
 
@@ -623,7 +653,7 @@ def test_a_downstream_study_projects_each_of_its_settings():
     plan = plan_of(mutated(lambda c: downstream(c, studies=[{"study": "quirks", "num_projected": [4]}])))
     quirks = [p for p in plan.projected("tiny-vanilla") if p.study == "quirks"]
     settings = plan.dimpo["ablations"]["quirks"]["settings"]
-    assert len(quirks) == len(settings) and {p.num_projected for p in quirks} == {4}
+    assert len(quirks) == len(settings) * len(TEXT["dimpo"]["seeds"]) and {p.num_projected for p in quirks} == {4}
     assert {p.setting for p in quirks} == {sweeps.setting_name(s) for s in settings}
     assert {p.kv for p in quirks} == {"none"} and all(p.objective == "dimpo" for p in quirks)
     main = [p for p in plan.projected("tiny-vanilla") if p.study == "table1" and p.objective != "base"]
