@@ -133,7 +133,7 @@ def matmul_peak(device, small, repeats=10):
         flops = 2 * n**3 * loops / seconds
     else:
         flops = host_matmul_peak(torch.bfloat16, n=n, threads=torch.get_num_threads()) * 1e9
-    emit({"name": "matmul_peak", "dtype": "bfloat16", "n": n, "tflops": round(flops / 1e12, 3),
+    emit({"name": "matmul_peak", "dtype": "bfloat16", "n": n, "tflops": round(flops / 1e12, 3), "flop_per_s": flops,
           "measure": "median of interleaved loops" if cuda else "fastest call",
           "h200_constant_tflops": H200_BF16_FLOPS / 1e12, "device": _device_name(device)})
     return flops

@@ -40,7 +40,11 @@ def test_every_section_prints_its_line(small_run):
     steps = {line["variant"]: line for line in by_name(lines, "train_step")}
     assert set(steps) == {"vanilla", "dar"}
     for step in steps.values():
-        assert step["tokens_per_s"] > 0 and 0 < step["mfu"] < 1 and step["compiled"] is False
+        # MFU of the measured peak: on a CPU without a bf16 path both are emulated and, with two
+        # test workers on two cores, the step can outrun a contended peak, so no ceiling of 1 here
+        assert step["tokens_per_s"] > 0 and step["mfu"] > 0 and step["compiled"] is False
+        assert step["mfu"] == pytest.approx(step["model_tflops"] * 1e12 / peak["flop_per_s"])
+        assert step["model_tflops"] * 1e12 == pytest.approx(step["flop_per_step"] / step["step_s"], rel=1e-3)
         assert step["flop_per_step"] > 0 and step["batch"] == [2, 32]
     assert by_name(lines, "train_dar_over_vanilla")[0]["ratio"] > 0
     (fit,) = by_name(lines, "fit_step")
