@@ -65,6 +65,11 @@ def rule_of(path: Path, root: Path) -> str:
 
 
 def dag_times(root: Path) -> None:
+    """Job-seconds per rule of a finished run, each line with this host's bf16 peak: run it on the
+    host that ran the DAG."""
+    from benchmarks._host import reporter
+
+    emit = reporter()
     seconds, jobs = defaultdict(float), defaultdict(int)
     for path in sorted(root.rglob("*.tsv")):
         with open(path, newline="") as f:

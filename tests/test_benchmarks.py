@@ -147,3 +147,23 @@ def test_fit_and_key_matching_stamp_their_lines(tmp_path, capsys):
     fit, drill = _json_lines(captured.out)
     assert fit["name"].startswith("fit_kl_") and "step" in drill
     assert fit["host_bf16_peak_gflops"] == drill["host_bf16_peak_gflops"] == hosts[0]["host_bf16_peak_gflops"] > 0
+
+
+def test_dag_times_sums_each_rule_and_stamps_the_host(tmp_path, capsys, monkeypatch):
+    """--dag-times: Snakemake's benchmark files summed per rule (the folder they lie in), largest
+    first, a total, each line with the host's bf16 peak; a job without a time (NA) is left out."""
+    header = "s\th:m:s\tmax_rss\n"
+    for rule, name, s in [("pretrain", "a", "10.5"), ("pretrain", "b", "4.5"), ("recall", "a", "3.0"), ("recall", "b", "NA")]:
+        (tmp_path / rule).mkdir(exist_ok=True)
+        (tmp_path / rule / f"{name}.tsv").write_text(f"{header}{s}\t0:00:10\t1.0\n")
+    training = _load("training")
+    host = _load("_host")
+    monkeypatch.setattr(host, "host", lambda: {"host_bf16_peak_gflops": 123.4})
+    monkeypatch.setitem(sys.modules, "benchmarks._host", host)
+    training.dag_times(tmp_path)
+    out = capsys.readouterr()
+    lines = _json_lines(out.out)
+    assert [(r["rule"], r["wall_s"], r["jobs"]) for r in lines[:-1]] == [("pretrain", 15.0, 2), ("recall", 3.0, 1)]
+    assert lines[-1]["name"] == "dag_total_seconds" and lines[-1]["wall_s"] == 18.0 and lines[-1]["jobs"] == 3
+    assert all(r["host_bf16_peak_gflops"] == 123.4 for r in lines)
+    assert '"name": "host"' in out.err
