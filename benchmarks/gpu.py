@@ -58,7 +58,6 @@ import ctypes
 import json
 import platform
 import resource
-import statistics
 import sys
 import time
 import zlib
@@ -230,32 +229,19 @@ def _ran_compiled(call):
     compiled wrapper runs flex_attention eagerly (unfused) with no error, and eager flex_attention compiles
     an inner wrapper of its own, so a compiled region alone proves nothing: it must be one of
     flex_attention's cache entries."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    from torch.nn.attention.flex_attention import flex_attention
-
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         call()
     own = {getattr(entry, "trace_annotation", None) or f"Torch-Compiled Region: {entry.compile_id}"
-           for entry in _debug_get_cache_entry_list(flex_attention)}
+           for entry in _flex_cache_entries()}
     return any(event.name in own for event in prof.events())
 
 
-def _flex_entries():
+def _flex_cache_entries():
+    """dynamo's compiled graphs of flex_attention itself."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch.nn.attention.flex_attention import flex_attention
 
-    return len(_debug_get_cache_entry_list(flex_attention))
-
-
-def _median_s(fn, device, repeats=3):
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _debug_get_cache_entry_list(flex_attention)
 
 
 def kernel_speed(device, small, repeats=None):
@@ -300,7 +286,8 @@ def kernel_speed(device, small, repeats=None):
             fresh = attn._create_block_mask(pattern, T, w, DILATION, device)  # what a miss of the cache costs
             _sync(device)
             build_first = time.perf_counter() - start
-            mask_build_s = _median_s(lambda: attn._create_block_mask(pattern, T, w, DILATION, device), device)
+            mask_build_s = interleaved({"build": lambda: attn._create_block_mask(pattern, T, w, DILATION, device)}, 3,
+                                       device)["build"]
             library = step(lambda fn=fn, n=n_inputs, w=w: fn(ts[:n], w, "flex"))
             mask = attn._cached_block_mask(pattern, T, w, DILATION, str(ts[0].device))  # the library's object
             kv = kv2 if pattern == "dar" else ts[1:3]
@@ -341,7 +328,7 @@ def kernel_speed(device, small, repeats=None):
                   "compiled": rec["compiled"], "dynamo_frames_compiled_during_timing": frames,
                   "kernel_fn": "flex_attention (eager: unfused, scores materialised)" if kernel_fn is flex_attention
                   else "torch.compile(flex_attention)",
-                  "flex_cache_entries": _flex_entries(), "recompile_limit": torch._dynamo.config.recompile_limit,
+                  "flex_cache_entries": len(_flex_cache_entries()), "recompile_limit": torch._dynamo.config.recompile_limit,
                   "first_call_s": round(rec["first_call_s"], 3),
                   "shape": dict(B=B, H=H, T=T, D=D, window=rec["w"],
                                 **({"dilation": DILATION} if rec["pattern"] == "dilated" else {})),

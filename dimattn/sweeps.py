@@ -430,7 +430,7 @@ class Plan:
         cache, which SnapKV compresses, once Table 1's projections are applied downstream."""
         if self.latency is None or not self.downstream["objectives"]:
             return []
-        return [m for m in self.dimpo_models if not self.keeps_own_cache(m) and self.projected(m)]
+        return [m for m in self.dimpo_models if not self.keeps_own_cache(m) and self.num_projected(m)]
 
     def latency_projection(self, model: str) -> tuple[str, str, int, int]:
         """(objective, setting, d', seed) of the fit the latency job applies: Table 1's DimPO (or
