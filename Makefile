@@ -1,7 +1,10 @@
 # Two entry points, each doing all set-up on a fresh machine (Python 3.11, no GPU):
 #   make run    install into .venv, then run the default workflow on config.yaml
 #   make test   install into .venv, then run the whole test suite
-#   make rehearsal  the paper DAG's dress rehearsal (configs/rehearsal.yaml), 9-10 minutes
+#   make full   the same for configs/cpu-full.yaml, in its own working directory (tiers/cpu-full)
+#   make figures [TIER=cpu-full]  every table and figure of a tier from published/<tier>/ alone
+#   make publish [TIER=cpu-full]  after a complete run: its summaries and tables to published/<tier>/
+#   make rehearsal  the paper DAG's dress rehearsal (configs/rehearsal.yaml)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,7 +16,18 @@ export HF_DATASETS_OFFLINE := 1
 # what the jobs import is compiled (about 4,000 of the venv's 17,740 files), once.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install run test rehearsal figures clean
+.PHONY: install run full test rehearsal figures publish clean
+
+# Each tier but the default runs in a working directory of its own (dimattn.tiers), laid out like
+# the repository root by links, so that no two configs share a results/ folder.
+TIER ?= default
+ifeq ($(TIER),default)
+TIER_DIR := .
+TIER_ARGS :=
+else
+TIER_DIR := tiers/$(TIER)
+TIER_ARGS := --directory $(TIER_DIR) --configfile configs/$(TIER).yaml
+endif
 
 $(BIN)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +42,15 @@ install: $(BIN)/.installed
 run: install
 	$(BIN)/snakemake --cores $(CORES)
 
+tiers/%/.linked:
+	@test -f configs/$*.yaml || { echo "no tier $*: configs/$*.yaml is missing" >&2; exit 2; }
+	mkdir -p tiers/$*
+	for f in config.yaml configs reference published; do ln -sfn ../../$$f tiers/$*/$$f; done
+	touch $@
+
+full: install tiers/cpu-full/.linked
+	$(BIN)/snakemake --cores $(CORES) --directory tiers/cpu-full --configfile configs/cpu-full.yaml
+
 test: install
 	$(BIN)/pytest -ra --durations=10 -n $(CORES) --dist loadfile
 
@@ -37,8 +60,11 @@ test: install
 rehearsal: install
 	DIMATTN_REHEARSAL=1 $(BIN)/pytest -ra tests/test_rehearsal.py
 
-figures: install
-	$(BIN)/snakemake --cores 1 figures
+figures: install $(if $(filter default,$(TIER)),,tiers/$(TIER)/.linked)
+	$(BIN)/snakemake --cores 1 $(TIER_ARGS) figures --config figures_from=published
+
+publish: install
+	$(BIN)/python -m dimattn.reporting.published publish $(TIER) --workdir $(TIER_DIR)
 
 # Every output folder of the workflow, as dimattn.paths lays them out (results/README.md stays).
 clean: install

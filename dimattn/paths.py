@@ -24,11 +24,15 @@ LM_EVAL_DATA = f"{RESULTS}/lm_eval_data"
 DOWNLOADS = "resources/downloads"
 LOGS = "logs"
 BENCH = "benchmarks/snakemake"
+# Which tier (config `tier`) owns this working directory's outputs, and its run record (when it
+# started and finished, the merged config's digest, the host): dimattn.tiers.
+TIER_STAMP = f"{RESULTS}/tier.json"
+PUBLISHED = "published"
 SPLITS = ("train", "validation", "test")
 
 # What a run of the workflow writes; `make clean` removes exactly these.
 OUTPUT_DIRS = (DATA, SHARED_TOKENIZER, MODELS, CHECKPOINTS, EVAL, DIMPO, LM_EVAL_DATA, SUMMARY, TABLES,
-               FIGURES, LOGS, BENCH)
+               FIGURES, LOGS, BENCH, TIER_STAMP)
 
 
 # --- data ---------------------------------------------------------------------------------------
@@ -152,6 +156,11 @@ def downstream(model: str, objective: str, setting: str, d_prime, num_projected,
 
 def summary(name: str) -> str:
     return f"{SUMMARY}/{name}.csv"
+
+
+def published(tier: str) -> str:
+    """A tier's shipped summaries, tables and manifest.json (tracked; dimattn.reporting.published)."""
+    return f"{PUBLISHED}/{tier}"
 
 
 def table(name: str) -> str:

@@ -10,6 +10,7 @@ own validator), and nothing here falls back to a value of its own.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -88,20 +89,41 @@ BASE_OBJECTIVE = "base"  # the unprojected model (l = 0) among the downstream sc
 NO_KV = "none"  # no KV-cache compression
 
 
+@functools.cache
+def _lm_eval_task_files() -> dict[Path, str] | None:
+    """lm-eval's task YAMLs, and the extensionless bases they include (cruxeval_common_yaml), read
+    without importing lm-eval (planning stays light); None where lm-eval is not installed."""
+    import importlib.util
+
+    found = importlib.util.find_spec("lm_eval")
+    if found is None or not found.submodule_search_locations:
+        return None
+    root = Path(next(iter(found.submodule_search_locations))) / "tasks"
+    return {p.resolve(): p.read_text(errors="replace") for p in root.rglob("*")
+            if p.is_file() and (p.suffix == ".yaml" or ("yaml" in p.name and not p.suffix))}  # fmt: skip
+
+
+def lm_eval_task_names() -> frozenset[str] | None:
+    """Every task, group and tag name lm-eval's task files define (what its TaskManager
+    resolves); None where lm-eval is not installed."""
+    import re
+
+    files = _lm_eval_task_files()
+    if files is None:
+        return None
+    return frozenset(name for text in files.values()
+                     for name in re.findall(r"^(?:task|group|tag):\s*['\"]?([\w.-]+)", text, re.M))  # fmt: skip
+
+
 def unsafe_lm_eval_tasks() -> frozenset[str]:
     """lm-eval's tasks whose YAML, or a file it includes, says ``unsafe_code: true`` (MBPP,
     HumanEval: they execute the model's code), read from lm-eval's task files without importing
     it (planning stays light); empty where lm-eval is not installed."""
-    import importlib.util
     import re
 
-    found = importlib.util.find_spec("lm_eval")
-    if found is None or not found.submodule_search_locations:
+    files = _lm_eval_task_files()
+    if files is None:
         return frozenset()
-    root = Path(next(iter(found.submodule_search_locations))) / "tasks"
-    # task YAMLs, and the extensionless bases they include (cruxeval_common_yaml)
-    files = {p.resolve(): p.read_text(errors="replace") for p in root.rglob("*")
-             if p.is_file() and (p.suffix == ".yaml" or ("yaml" in p.name and not p.suffix))}  # fmt: skip
 
     def unsafe(path, seen=()):
         text = files.get(path, "")
@@ -612,6 +634,12 @@ def check_references(p: Plan) -> None:
                               f"l={depth[0]} exceeds the {run.model['num_hidden_layers']} layers of run {spec['run']!r}")
         if run.synthetic:  # the recall corpus or the long-context suite: captured on its own examples
             _check_recall_capture(p, i, spec, run)
+        elif p.dimpo_capture(spec["name"])["seq_len"] > run.training["seq_len"]:
+            # our model's positions stop at its training length (max_position_embeddings)
+            raise ConfigError(f"dimpo.models[{i}].capture.seq_len" if "seq_len" in spec.get("capture", {})
+                              else "dimpo.capture.seq_len",
+                              f"{p.dimpo_capture(spec['name'])['seq_len']} is beyond the "
+                              f"{run.training['seq_len']}-token context of run {spec['run']!r}")
         own = f"dimpo.models[{i}].d_prime" if "d_prime" in spec else "dimpo.d_prime"
         widths = {own: p.grid(spec["name"], "d_prime")} | {
             f"dimpo.ablations.{study}.d_prime": a["d_prime"] for study, a in p.dimpo["ablations"].items()
@@ -721,6 +749,13 @@ def _check_unsafe_tasks(p: Plan) -> None:
     own = {f.stem for f in (Path(__file__).parent / "lm_eval_tasks").glob("*.yaml")}  # never unsafe
     if all(t["name"] in own for t in [*lm_tasks, *ds_tasks]):
         return
+    known = lm_eval_task_names()
+    for key, tasks in (("evaluation.lm_eval.tasks", lm_tasks), ("dimpo.downstream.tasks", ds_tasks)):
+        for i, task in enumerate(tasks):
+            if known is not None and task["name"] not in own and task["name"] not in known:
+                raise ConfigError(f"{key}[{i}].name",
+                                  f"{task['name']!r} is neither a task of dimattn/lm_eval_tasks ({sorted(own)}) "
+                                  "nor one lm-eval's task registry holds")
     unsafe = unsafe_lm_eval_tasks()
     for i, task in enumerate(lm_tasks):
         if task["name"] in unsafe and not p.lm_eval["allow_unsafe_code"]:

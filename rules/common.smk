@@ -14,7 +14,7 @@ from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir)))  # dimattn, when it is not pip-installed
 
-from dimattn import paths, resources, sweeps
+from dimattn import paths, resources, sweeps, tiers
 from dimattn.lm_eval_tasks import own_task_names
 
 # Every job reads the Hugging Face caches only (compute nodes have no network): set here, where
@@ -36,6 +36,11 @@ try:
 except sweeps.ConfigError as e:
     raise WorkflowError(str(e)) from None
 RUNS = PLAN.runs
+try:
+    # One tier a working directory (dimattn.tiers): another tier's results/ are never rebuilt.
+    tiers.check(PLAN.config["tier"])
+except tiers.TierError as e:
+    raise WorkflowError(str(e)) from None
 try:
     # From the work (dimattn.resources); a first attempt beyond the node is refused here.
     FIRST_ATTEMPTS = resources.first_attempts(PLAN)

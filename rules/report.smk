@@ -255,9 +255,10 @@ for category, names in outputs.by_category(REPORTED).items():
             "../workflow_scripts/render.py"
 
 
-# `snakemake figures`: re-render every table and figure the summaries on disk call for, with no
-# training. It declares no input on purpose, so Snakemake never schedules upstream jobs for it,
-# and no output (not even a benchmark file), so it runs whenever it is asked for.
+# `snakemake figures` (make figures: --config figures_from=published): re-render every table and
+# figure the summaries on disk call for, with no training. It declares no input on purpose, so
+# Snakemake never schedules upstream jobs for it, and no output (not even a benchmark file), so
+# it runs whenever it is asked for.
 rule figures:
     log:
         paths.log("report", "figures"),
@@ -268,7 +269,18 @@ rule figures:
         runtime=scaled(5, "runtime"),
         mem_mb=scaled(2000, "mem_mb"),
     params:
-        summary_dir=paths.SUMMARY,
+        # figures_from: published renders the tier's shipped summaries, checked against their
+        # manifest first (dimattn.reporting.published)
+        summary_dir=(
+            f"{paths.published(PLAN.config['tier'])}/summary"
+            if PLAN.config["figures_from"] == "published"
+            else paths.SUMMARY
+        ),
+        published=(
+            paths.published(PLAN.config["tier"])
+            if PLAN.config["figures_from"] == "published"
+            else None
+        ),
         results_dir=paths.RESULTS,
         reference_dir=PLAN.config["reference_dir"],
     script:

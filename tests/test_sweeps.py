@@ -160,6 +160,14 @@ BAD = {
     "unsafe lm_eval task": (lambda c: c["evaluation"]["lm_eval"]["tasks"].append({"name": "mbpp", "num_fewshot": 3}),
                             "config key evaluation.lm_eval.allow_unsafe_code: evaluation.lm_eval.tasks[2] 'mbpp'"),
     "unsafe downstream task": (lambda c: downstream(c, tasks=[{"name": "humaneval"}]), "dimpo.downstream.tasks[0].name"),
+    # a task neither our task folder nor lm-eval's registry holds
+    "unknown lm_eval task": (lambda c: c["evaluation"]["lm_eval"]["tasks"].append({"name": "hellaswagg"}),
+                             "evaluation.lm_eval.tasks[2].name: 'hellaswagg' is neither a task of dimattn/lm_eval_tasks"),
+    "unknown downstream task": (lambda c: downstream(c, tasks=[{"name": "no_such_task"}]),
+                                "dimpo.downstream.tasks[0].name: 'no_such_task' is neither"),
+    # a capture longer than the frozen model's context
+    "capture beyond the context": (lambda c: c["dimpo"]["capture"].update(seq_len=100000),
+                                   "capture.seq_len: 100000 is beyond the"),
     "hf split missing": (hf_dataset({"train": {"split": "train"}, "test": {"split": "test"}}), "validation"),
     # schema: types, ranges, unknown keys, required keys
     "unknown variant": (add_sweep({"scale": "tiny", "attention": "sparse"}), "sparse"),

@@ -22,6 +22,8 @@ was divided by (empty: the mean of Vanilla's replicates, which lack that seed).
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 from collections.abc import Iterable
@@ -119,8 +121,44 @@ def _as_int(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+class BadSummary(ValueError):
+    """A summary file that is not a whole CSV: empty, binary, or cut mid-row."""
+
+
+def csv_rows(path: os.PathLike | str) -> int:
+    """The data rows of the CSV at ``path``, after checking it is one whole: UTF-8 text, a header,
+    every row ending in a newline and holding the header's number of fields. pandas reads a file
+    cut mid-row as a row of NaN, and an empty or binary one with an error that names no file."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadSummary(f"{path}: no such summary")
+    data = path.read_bytes()
+    if not data.strip():
+        raise BadSummary(f"{path}: empty; it should hold a header and a row per result")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadSummary(f"{path}: not a CSV (not UTF-8 text at byte {e.start})") from None
+    if "\0" in text:
+        raise BadSummary(f"{path}: not a CSV (binary: a NUL byte at {text.index(chr(0))})")
+    if not text.endswith("\n"):
+        raise BadSummary(f"{path}: cut mid-row (the last row has no newline): a write was interrupted")
+    try:
+        rows = list(csv.reader(io.StringIO(text, newline="")))
+    except csv.Error as e:
+        raise BadSummary(f"{path}: not a CSV ({e})") from None
+    header = rows[0]
+    for i, row in enumerate(rows[1:], start=2):
+        if len(row) != len(header):
+            raise BadSummary(f"{path}: line {i} has {len(row)} fields, the header {len(header)}: "
+                             "the file is cut or is not this summary")
+    return len(rows) - 1
+
+
 def read(path: os.PathLike | str, name: str) -> pd.DataFrame:
-    """The summary ``name`` (a key of COLUMNS) at ``path``, typed; a ValueError names any column it lacks."""
+    """The summary ``name`` (a key of COLUMNS) at ``path``, typed, once :func:`csv_rows` found it
+    whole; a ValueError names the file and any column it lacks."""
+    csv_rows(path)
     df = _as_int(pd.read_csv(path, dtype={c: "string" for c in STR_COLUMNS}))
     missing = [c for c in COLUMNS[name] if c not in df.columns]
     if missing:
