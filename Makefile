@@ -4,6 +4,7 @@
 #   make full   the same for configs/cpu-full.yaml, in its own working directory (tiers/cpu-full)
 #   make figures [TIER=cpu-full]  every table and figure of a tier from published/<tier>/ alone
 #   make publish [TIER=cpu-full]  after a complete run: its summaries and tables to published/<tier>/
+#   make findings  docs/findings.md from published/ and reference/claims.yaml
 #   make rehearsal  the paper DAG's dress rehearsal (configs/rehearsal.yaml)
 PYTHON ?= python3
 VENV := .venv
@@ -16,7 +17,7 @@ export HF_DATASETS_OFFLINE := 1
 # what the jobs import is compiled (about 4,000 of the venv's 17,740 files), once.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install run full test rehearsal figures publish clean
+.PHONY: install run full test rehearsal figures publish findings clean
 
 # Each tier but the default runs in a working directory of its own (dimattn.tiers), laid out like
 # the repository root by links, so that no two configs share a results/ folder.
@@ -55,8 +56,8 @@ test: install
 	$(BIN)/pytest -ra --durations=10 -n $(CORES) --dist loadfile
 
 # The paper DAG at a size two CPUs run, against a local stand-in Hub, through profiles/slurm where
-# the machine can host the one-node test cluster (tests/test_rehearsal.py): 9-10 min on 2 cores,
-# beyond make test's 10-minute budget beside the rest of the suite, so a target of its own.
+# the machine can host the one-node test cluster (tests/test_rehearsal.py): beyond make test's
+# 10-minute budget beside the rest of the suite, so a target of its own, which CI runs (.ci/run).
 rehearsal: install
 	DIMATTN_REHEARSAL=1 $(BIN)/pytest -ra tests/test_rehearsal.py
 
@@ -65,6 +66,11 @@ figures: install $(if $(filter default,$(TIER)),,tiers/$(TIER)/.linked)
 
 publish: install
 	$(BIN)/python -m dimattn.reporting.published publish $(TIER) --workdir $(TIER_DIR)
+
+# docs/findings.md from every published tier and reference/claims.yaml; the README's tiers table.
+findings: install
+	$(BIN)/snakemake --cores 1 findings
+	$(BIN)/python -m dimattn.reporting.published readme
 
 # Every output folder of the workflow, as dimattn.paths lays them out (results/README.md stays).
 clean: install

@@ -18,6 +18,10 @@ matmul-bound on one CPU and bound by the LM head's softmax or by elementwise pas
 
 The host line goes to stderr, so that stdout keeps one record of the script's own per line (the
 tests read those); every record carries ``host_bf16_peak_gflops``.
+
+Every stamped record is also appended to ``benchmarks/records/<script>.jsonl`` with the run's
+host, commit and date (``DIMATTN_BENCH_RECORD=0`` turns it off: the tests do), and
+``python benchmarks/records.py`` writes docs/benchmarks.md from those files.
 """
 
 import functools
@@ -95,9 +99,36 @@ def announce() -> None:
     print(json.dumps({"name": "host", **host()}), file=sys.stderr, flush=True)
 
 
+RECORDS = Path(__file__).resolve().parent / "records"
+
+
+@functools.cache
+def run_meta() -> dict:
+    """What every record of this process is filed under: the script, commit, date and host."""
+    import subprocess
+
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or "interactive"
+    repo = Path(__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                capture_output=True, text=True).stdout.strip())  # fmt: skip
+    h = host()
+    return {"script": Path(main).stem, "argv": sys.argv[1:], "commit": commit, "dirty": dirty,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "pid": os.getpid(),
+            "cpu_model": h["cpu_model"], "cpus": h["cpus"], "cpu_flags": h["cpu_flags"],
+            "host_fp32_peak_gflops": h["host_fp32_peak_gflops"], "host_bf16_peak_gflops": h["host_bf16_peak_gflops"]}  # fmt: skip
+
+
 def stamp(record: dict) -> dict:
-    """record with the host's one-thread bf16 matmul peak beside its timings."""
-    return {**record, "host_bf16_peak_gflops": host()["host_bf16_peak_gflops"]}
+    """record with the host's one-thread bf16 matmul peak beside its timings; appended, with the
+    run's host, commit and date, to the script's records file."""
+    stamped = {**record, "host_bf16_peak_gflops": host()["host_bf16_peak_gflops"]}
+    if os.environ.get("DIMATTN_BENCH_RECORD", "1") != "0":
+        meta = run_meta()
+        RECORDS.mkdir(exist_ok=True)
+        with open(RECORDS / f"{meta['script']}.jsonl", "a") as f:
+            f.write(json.dumps({"run": meta, "record": stamped}) + "\n")
+    return stamped
 
 
 def reporter():

@@ -791,14 +791,21 @@ def sliding_window_attention(
 
 def dilated_attention(
     q, k, v, window: int, dilation: int, *, q_offset: int | None = None, key_padding_mask=None,
-    kernel: str = "auto",
+    kernel: str = "auto", key_positions: torch.Tensor | None = None,
 ):
     """Seed 001's dilated attention: the sliding window, plus every ``dilation``-th token beyond
-    it (absolute positions 0, r, 2r, ..., as in the seed's "[0, 4, 8, 12, 16, ...]")."""
+    it (absolute positions 0, r, 2r, ..., as in the seed's "[0, 4, 8, 12, 16, ...]").
+
+    ``key_positions`` (Tk,): the keys' absolute positions where they are a subset (a dilated
+    layer's cache keeps only the keys this pattern reads again); the queries are the last Tq."""
     _check_window(window, 1)
     if dilation < 1:
         raise ValueError(f"dilation must be >= 1, got {dilation}")
     tq, tk = q.shape[-2], k.shape[-2]
+    if key_positions is not None:
+        dist = key_positions[-tq:, None] - key_positions[None, :]
+        mask = ((dist >= 0) & (dist < window)) | ((dist >= window) & (key_positions % dilation == 0)[None, :])
+        return _dense(q, k, v, mask, key_padding_mask)
     q_offset = tk - tq if q_offset is None else q_offset
     kernel = _choose(kernel, q, tk, q_offset, key_padding_mask)
     if kernel == "blocked":
@@ -823,7 +830,10 @@ class AttentionVariant:
     attend: Callable
 
     def __call__(self, q, near_kv, far_kv, *, window, dilation=1, q_offset=None, key_padding_mask=None,
-                 kernel="auto"):
+                 kernel="auto", key_positions=None):
+        if key_positions is not None:  # a subset of keys by position: only a dilated layer's cache
+            return self.attend(q, near_kv, far_kv, window=window, dilation=dilation, q_offset=q_offset,
+                               key_padding_mask=key_padding_mask, kernel=kernel, key_positions=key_positions)
         return self.attend(q, near_kv, far_kv, window=window, dilation=dilation, q_offset=q_offset,
                            key_padding_mask=key_padding_mask, kernel=kernel)
 
@@ -846,9 +856,9 @@ def _swa(q, near_kv, far_kv, *, window, dilation, q_offset, key_padding_mask, ke
                                     kernel=kernel)
 
 
-def _dilated(q, near_kv, far_kv, *, window, dilation, q_offset, key_padding_mask, kernel):
+def _dilated(q, near_kv, far_kv, *, window, dilation, q_offset, key_padding_mask, kernel, key_positions=None):
     return dilated_attention(q, *near_kv, window, dilation, q_offset=q_offset, key_padding_mask=key_padding_mask,
-                             kernel=kernel)
+                             kernel=kernel, key_positions=key_positions)
 
 
 # Registry of attention variants, looked up by the config field ``attention``.

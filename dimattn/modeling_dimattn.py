@@ -185,19 +185,56 @@ class CompactSlidingWindowLayer(DynamicSlidingWindowLayer):
         return keys, values
 
 
+class DilatedLayer(DynamicLayer):
+    """A dilated layer's cache (seed 001): the last window - 1 tokens and, older than them, only
+    the tokens at absolute positions 0, r, 2r, ...: every key dilated attention reads again.
+    ``positions`` are the kept keys' absolute positions and ``returned_positions`` those of the
+    keys the last update returned, which the attention's mask reads (dilated_attention's
+    key_positions). Positions are arithmetic, so they are not counted as cache bytes."""
+
+    def __init__(self, window: int, dilation: int):
+        super().__init__()
+        self.window, self.dilation = window, dilation
+        self.cumulative_length = 0
+        self.positions = self.returned_positions = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        t = key_states.shape[-2]
+        new = torch.arange(self.cumulative_length, self.cumulative_length + t, device=key_states.device)
+        self.cumulative_length += t
+        keys, values = torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+        positions = new if self.positions is None else torch.cat([self.positions, new])
+        # the next query (at cumulative_length) reads the last window - 1 and the strided set
+        keep = (positions % self.dilation == 0) | (positions > self.cumulative_length - self.window)
+        self.keys, self.values = keys[..., keep, :].clone(), values[..., keep, :].clone()
+        self.positions, self.returned_positions = positions[keep], positions
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def crop(self, max_length):
+        raise NotImplementedError("a dilated layer's cache cannot be cropped (assisted decoding is not supported)")
+
+
 class LayerwiseCache(DynamicCache):
     """Generation cache of a model without DAR or uniform layers: an SWA layer keeps only the last
-    window - 1 tokens (all it can read again; the next query adds its own), every other layer
-    keeps all. Dilated layers read every dilation-th older key by absolute position, so they keep
-    all too. (DimAttnConfig has no ``layer_types``, from which DynamicCache(config=...) would build
-    this.)"""
+    window - 1 tokens (all it can read again; the next query adds its own), a dilated layer those
+    and the strided set beyond them (DilatedLayer), every other layer keeps all. (DimAttnConfig
+    has no ``layer_types``, from which DynamicCache(config=...) would build this.)"""
 
     def __init__(self, config: DimAttnConfig):
-        Cache.__init__(self, layers=[
-            CompactSlidingWindowLayer(sliding_window=config.window) if config.layer_attention(i) == "swa"
-            else DynamicLayer()
-            for i in range(config.num_hidden_layers)
-        ])  # fmt: skip
+        def layer(i):
+            attention = config.layer_attention(i)
+            if attention == "swa":
+                return CompactSlidingWindowLayer(sliding_window=config.window)
+            if attention == "dilated":
+                return DilatedLayer(config.window, config.dilation)
+            return DynamicLayer()
+
+        Cache.__init__(self, layers=[layer(i) for i in range(config.num_hidden_layers)])
 
 
 def new_cache(config: DimAttnConfig) -> DynamicCache:
@@ -261,10 +298,14 @@ class CausalSelfAttention(nn.Module):
             k_far = rope(k_far.unsqueeze(-2), rows=slice(1, 2)).squeeze(-2)
             far_kv = (k_far.transpose(1, 2), v_far.transpose(1, 2))
 
+        key_positions = None
         if cache is not None and (near_kv is None) != (far_kv is None):
             # One set: cached as it is (a projected model's cache stores F(k), d' wide).
             kv = cache.update(*(near_kv or far_kv), self.layer_idx)
             near_kv, far_kv = (kv, None) if self.variant.near else (None, kv)
+            layer = cache.layers[self.layer_idx] if hasattr(cache, "layers") else None
+            if isinstance(layer, DilatedLayer):  # its keys are a subset: the mask needs their positions
+                key_positions = layer.returned_positions
         elif cache is not None:
             # One cache entry per layer: near and far sets side by side along head_dim.
             keys = torch.cat([kv[0] for kv in (near_kv, far_kv) if kv is not None], dim=-1)
@@ -275,12 +316,15 @@ class CausalSelfAttention(nn.Module):
             near_kv = next(pairs) if self.variant.near else None
             far_kv = next(pairs) if self.variant.far else None
         if key_padding_mask is not None:  # (B, past + T); a sliding layer's cache returns its last keys only
-            key_padding_mask = key_padding_mask[:, -(near_kv or far_kv)[0].shape[-2]:]
+            if key_positions is not None:
+                key_padding_mask = key_padding_mask[:, key_positions]
+            else:
+                key_padding_mask = key_padding_mask[:, -(near_kv or far_kv)[0].shape[-2]:]
 
         def attend(q, near_kv, far_kv):
             return self.variant(
                 q, near_kv, far_kv, window=self.config.window, dilation=self.config.dilation,
-                key_padding_mask=key_padding_mask, kernel=self.config.attention_kernel,
+                key_padding_mask=key_padding_mask, kernel=self.config.attention_kernel, key_positions=key_positions,
             ).transpose(1, 2)
 
         # A uniform layer never reads its full keys (window 0); a capture records them all the same.

@@ -13,6 +13,14 @@ REPORT_ASKS = dict(
     longctx=bool(PLAN.longctx_runs),
 )
 SUMMARIES = outputs.wanted_summaries(**REPORT_ASKS)
+
+
+def findings_tiers():
+    """The tiers docs/findings.md reads, in its order (dimattn.reporting.findings.TIERS)."""
+    from dimattn.reporting.findings import TIERS
+
+    return list(TIERS)
+
 REPORTED = outputs.wanted(**REPORT_ASKS)
 # report_targets(): every summary CSV and every table and figure (the Snakefile's `rule all`).
 report_targets = functools.partial(outputs.targets, **REPORT_ASKS)
@@ -285,3 +293,31 @@ rule figures:
         reference_dir=PLAN.config["reference_dir"],
     script:
         "../workflow_scripts/render.py"
+
+
+# `snakemake findings` (make findings): docs/findings.md, each claim of reference/claims.yaml read
+# off every published tier's summaries (dimattn.reporting.findings). Like figures, no output, so
+# it runs whenever asked and never schedules a compute job.
+rule findings:
+    input:
+        claims=f"{PLAN.config['reference_dir']}/claims.yaml",
+        manifests=[
+            f"{paths.published(tier)}/manifest.json"
+            for tier in findings_tiers()
+            if Path(f"{paths.published(tier)}/manifest.json").exists()
+        ],
+    log:
+        paths.log("report", "findings"),
+    conda:
+        "../envs/report.yaml"
+    threads: 1
+    resources:
+        runtime=scaled(5, "runtime"),
+        mem_mb=scaled(1000, "mem_mb"),
+    params:
+        published=paths.PUBLISHED,
+        reference_dir=PLAN.config["reference_dir"],
+        tiers=findings_tiers(),
+        dest="docs/findings.md",
+    script:
+        "../workflow_scripts/findings.py"

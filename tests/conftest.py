@@ -8,6 +8,7 @@ the others wait and read its directory.
 """
 
 import json
+import os
 import random
 import sys
 import traceback
@@ -24,6 +25,10 @@ from filelock import FileLock
 SLOW_FIRST = ("test_slurm_cluster.py", "test_workflow.py", "test_modeling_projected.py", "test_kill9.py",
               "test_resources.py", "test_training.py", "test_sweeps.py", "test_reporting_replicates.py",
               "test_attention.py", "test_reporting_pdflatex.py", "test_reporting_outputs.py")  # fmt: skip
+
+
+# The benchmarks the tests run write no records (benchmarks/_host.py): those come from real runs.
+os.environ["DIMATTN_BENCH_RECORD"] = "0"
 
 
 def pytest_configure(config):

@@ -104,3 +104,117 @@ def test_readme_dag_draws_the_real_rules():
     drawn = _drawn_rules()
     assert sorted(drawn - rules) == [], "drawn but no such rule"
     assert sorted(rules - drawn) == [], "rules missing from the drawing"
+
+
+# ----------------------------------------------------------------------------- README and docs/
+
+DOCS = sorted((REPO / "docs").glob("*.md"))
+PAGES = [REPO / "README.md", *DOCS]
+REQUIRED_PAGES = ["running", "configuration", "model", "long-context", "dimpo", "outputs", "testing", "benchmarks",
+                  "findings"]
+TOP = ("dimattn/", "rules/", "envs/", "workflow_scripts/", "tests/", "benchmarks/", "configs/", "schemas/",
+       "profiles/", "reference/", "report/", "docs/", "published/")
+SCHEMA = yaml.safe_load((REPO / "schemas/config.schema.yaml").read_text())
+
+
+def test_the_readme_is_a_front_door():
+    """At most 250 lines, at most two with a date, each page of docs/ linked from it."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    dated = [line for line in readme.splitlines() if re.search(r"\b20\d\d-\d\d-\d\d\b", line)]
+    assert len(dated) <= 2, dated
+    assert sorted(p.stem for p in DOCS) == sorted(REQUIRED_PAGES)
+    assert all(f"`docs/{p.name}`" in readme for p in DOCS), [p.name for p in DOCS if f"`docs/{p.name}`" not in readme]
+
+
+def test_the_readme_tiers_are_read_from_the_manifests():
+    from dimattn.reporting import published
+
+    readme = (REPO / "README.md").read_text()
+    assert published.readme_with_tiers(readme) == readme, "run python -m dimattn.reporting.published readme"
+
+
+def test_docs_benchmarks_is_what_the_records_give():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("records", REPO / "benchmarks/records.py")
+    records = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(records)
+    assert (REPO / "docs/benchmarks.md").read_text() == records.render(), "run python benchmarks/records.py"
+
+
+def _backticked(page: Path) -> set[str]:
+    return set(re.findall(r"`([^`\n]+)`", page.read_text()))
+
+
+@pytest.mark.parametrize("page", [p.relative_to(REPO).as_posix() for p in PAGES])
+def test_every_path_a_page_names_exists(page):
+    named = {t.split()[0].rstrip(",:;") for t in _backticked(REPO / page)}
+    paths = [t for t in named if t.startswith(TOP) and not re.search(r"[*<>{}]", t)]
+    outputs = ("benchmarks/snakemake",)  # what a run writes (dimattn.paths), not in a checkout
+    missing = [t for t in paths if not (REPO / t).exists() and not t.startswith(outputs)]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("page", [p.relative_to(REPO).as_posix() for p in PAGES])
+def test_every_make_target_a_page_names_exists(page):
+    makefile = (REPO / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][a-z-]*):", makefile, re.M))
+    named = set(re.findall(r"`make ([a-z][a-z-]*)", (REPO / page).read_text()))
+    assert named <= targets, sorted(named - targets)
+
+
+def _schema_has(node: dict, parts: list[str]) -> bool:
+    """Whether the config key ``parts`` (``<x>`` a placeholder, ``[i]`` an item) is in the schema."""
+    if not parts:
+        return True
+    if "$ref" in node:  # the referenced schema, and the node's own properties beside it
+        here = {k: v for k, v in node.items() if k != "$ref"}
+        return _schema_has(SCHEMA["$defs"][node["$ref"].rsplit("/", 1)[1]], parts) or _schema_has(here, parts)
+    branches = [b.get("then", b) for b in node.get("oneOf", []) + node.get("anyOf", []) + node.get("allOf", [])]
+    for alt in branches:
+        if _schema_has(alt, parts):
+            return True
+    head, rest = parts[0], parts[1:]
+    if head.startswith("<"):  # a placeholder: any key of this mapping
+        subs = [*node.get("properties", {}).values(), *node.get("patternProperties", {}).values()]
+        subs += [node["additionalProperties"]] if isinstance(node.get("additionalProperties"), dict) else []
+        return any(_schema_has(sub, rest) for sub in subs)
+    if head.endswith("]"):
+        name = re.sub(r"\[[^]]*\]$", "", head)
+        return _schema_has(node, [name]) and _schema_has(node.get("properties", {}).get(name, {}).get("items", {}), rest)
+    props = node.get("properties", {})
+    if head in props:
+        return _schema_has(props[head], rest)
+    extra = node.get("additionalProperties")
+    if isinstance(extra, dict):
+        return _schema_has(extra, rest)
+    return any(_schema_has(sub, rest) for sub in node.get("patternProperties", {}).values())
+
+
+@pytest.mark.parametrize("page", [p.relative_to(REPO).as_posix() for p in PAGES])
+def test_every_config_key_a_page_names_is_in_the_schema(page):
+    tops = tuple(f"{k}." for k in SCHEMA["properties"])
+    keys = {t.split(":")[0].split()[0] for t in _backticked(REPO / page) if t.startswith(tops)}
+    keys = {k for k in keys if re.fullmatch(r"[a-z_]+(\.[a-z_<>\[\]]+)+", k)}
+    unknown = [k for k in sorted(keys) if not _schema_has(SCHEMA, k.split("."))]
+    assert not unknown, unknown
+
+
+@pytest.mark.parametrize("page", [p.relative_to(REPO).as_posix() for p in PAGES])
+def test_every_rule_a_page_names_exists(page):
+    """`rule x`, `x` rule and the rules in a `snakemake ... <target>` command are rules."""
+    text = (REPO / page).read_text()
+    rules = set(re.findall(r"^rule ([a-z_]+):", "\n".join(p.read_text() for p in (REPO / "rules").glob("*.smk"))
+                           + (REPO / "Snakefile").read_text(), re.M))  # fmt: skip
+    rules |= {"render_dar", "render_baselines", "render_recall", "render_lm_eval", "render_dimpo", "render_frontier",
+              "render_long_context"}  # the report categories' rules (rules/report.smk's loop)
+    named = set(re.findall(r"rule `([a-z_]+)`", text)) | set(re.findall(r"`([a-z_]+)` rules?\b", text))
+    assert named <= rules, sorted(named - rules)
+
+
+def test_ci_runs_the_test_command_and_the_rehearsal():
+    """.ci/run runs the README's test command and the paper DAG's dress rehearsal."""
+    ci = [line.strip() for line in (REPO / ".ci/run").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert "make test" in ci and "make rehearsal" in ci and ci.index("make test") < ci.index("make rehearsal")
+    assert "make test" in (REPO / "README.md").read_text()

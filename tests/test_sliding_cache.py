@@ -1,17 +1,23 @@
-"""The generation cache of SWA layers (LayerwiseCache): each keeps only the last window - 1
-tokens, and decoding through it reproduces the full forward, with or without left padding."""
+"""The generation cache of SWA and dilated layers (LayerwiseCache): an SWA layer keeps only the
+last window - 1 tokens, a dilated layer those and the strided set beyond them (every r-th
+absolute position), and decoding through it reproduces the full forward, with or without left
+padding."""
 
 import pytest
 import torch
 
 from dimattn import DimAttnConfig, DimAttnForCausalLM
-from dimattn.modeling_dimattn import CompactSlidingWindowLayer, LayerwiseCache, kv_cache_nbytes, new_cache
+from dimattn.modeling_dimattn import CompactSlidingWindowLayer, DilatedLayer, LayerwiseCache, kv_cache_nbytes, new_cache
 
 MODELS = {
     "swa": dict(attention="swa", window=5),
     "swa+full": dict(attention="swa", window=4, full_attention_every=2),  # layers 0, 2 SWA; 1 vanilla
     "swa-w1": dict(attention="swa", window=1),  # its own token only: nothing cached
+    "dilated": dict(attention="dilated", window=5, dilation=3),
+    "dilated+full": dict(attention="dilated", window=4, dilation=4, full_attention_every=2),
+    "dilated-w1": dict(attention="dilated", window=1, dilation=2),  # the strided set alone
 }
+LAYERS = {"swa": CompactSlidingWindowLayer, "dilated": DilatedLayer}
 
 
 def tiny(attention="swa", **kw):
@@ -24,9 +30,18 @@ def tiny(attention="swa", **kw):
 
 
 def kept(config, seen: int) -> list[int]:
-    """Tokens each layer's cache should hold after ``seen`` tokens."""
-    return [min(seen, config.window - 1) if config.layer_attention(i) == "swa" else seen
-            for i in range(config.num_hidden_layers)]  # fmt: skip
+    """Tokens each layer's cache should hold after ``seen`` tokens, from the patterns' definitions:
+    the next query (at ``seen``) reads j when seen - j < window, and a dilated layer also every j
+    with j % dilation == 0 beyond the window."""
+    def one(attention):
+        near = {j for j in range(seen) if seen - j < config.window}
+        if attention == "swa":
+            return len(near)
+        if attention == "dilated":
+            return len(near | {j for j in range(seen) if j % config.dilation == 0})
+        return seen
+
+    return [one(config.layer_attention(i)) for i in range(config.num_hidden_layers)]
 
 
 def decode(model, x, chunks, attention_mask=None):
@@ -50,7 +65,8 @@ def check_cache(cache, config, batch: int, seen: int):
     assert isinstance(cache, LayerwiseCache) and cache.get_seq_length() == seen
     heads, hs = config.num_attention_heads, config.head_dim
     for i, (layer, n) in enumerate(zip(cache.layers, kept(config, seen), strict=True)):
-        assert isinstance(layer, CompactSlidingWindowLayer) == (config.layer_attention(i) == "swa")
+        assert type(layer) is LAYERS.get(config.layer_attention(i), type(layer))
+        assert isinstance(layer, tuple(LAYERS.values())) == (config.layer_attention(i) in LAYERS)
         for t in (layer.keys, layer.values):
             assert t.shape == (batch, heads, n, hs)
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size()  # no view pins a prompt
@@ -69,6 +85,23 @@ def test_chunked_decoding_equals_full_forward(name):
     assert full.std() > 1  # logits far from uniform: attention matters
     torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
     check_cache(cache, model.config, 2, 40)
+
+
+@pytest.mark.parametrize("name", ["dilated", "dilated+full"])
+def test_left_padded_dilated_decoding_equals_the_padded_forward(name):
+    """A dilated layer's strided set is by absolute position, pads counted (as in the uncached
+    forward), so a left-padded example is compared with the padded batch's full forward."""
+    model = tiny(**MODELS[name])
+    chunks = [15] + [1] * 6 + [4] + [1] * 6
+    x = torch.randint(1, 97, (2, sum(chunks)))
+    mask = torch.ones_like(x)
+    mask[1, :13] = 0
+    with torch.no_grad():
+        got, cache = decode(model, x, chunks, attention_mask=mask)
+        full = model(x, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], full[real], atol=1e-5, rtol=1e-5)
+    check_cache(cache, model.config, 2, sum(chunks))
 
 
 @pytest.mark.parametrize("name", ["swa", "swa+full"])
@@ -103,8 +136,19 @@ def test_greedy_generate_uses_the_sliding_cache_and_equals_full_forwards():
 
 
 def test_new_cache_only_slides_swa_layers():
-    for attention in ("vanilla", "dilated"):
-        cache = new_cache(tiny(attention=attention, window=4).config)
-        assert not any(isinstance(layer, CompactSlidingWindowLayer) for layer in cache.layers)
+    cache = new_cache(tiny(attention="vanilla").config)
+    assert not any(isinstance(layer, tuple(LAYERS.values())) for layer in cache.layers)
     hybrid = new_cache(tiny(**MODELS["swa+full"]).config)
     assert [isinstance(layer, CompactSlidingWindowLayer) for layer in hybrid.layers] == [True, False, True]
+    dilated = new_cache(tiny(**MODELS["dilated+full"]).config)
+    assert [type(layer).__name__ for layer in dilated.layers] == ["DilatedLayer", "DynamicLayer", "DilatedLayer"]
+
+
+def test_a_dilated_cache_holds_the_strided_set_not_every_key():
+    """After 40 tokens at w = 5, r = 3: keys 0, 3, ..., 39 and 36-39, 16 of 40, at their positions."""
+    model = tiny(**MODELS["dilated"])
+    with torch.no_grad():
+        _, cache = decode(model, torch.randint(0, 97, (1, 40)), CHUNKS)
+    layer = cache.layers[0]
+    assert layer.positions.tolist() == sorted(set(range(0, 40, 3)) | set(range(36, 40)))
+    assert kv_cache_nbytes(cache) == 3 * 2 * 2 * 16 * model.config.head_dim * 4  # layers, k+v, heads, keys

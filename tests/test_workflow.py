@@ -247,6 +247,41 @@ def test_figures_target_rerenders_from_summaries_alone(smoke, tmp_path):
         assert "\\begin{tabular}" in (work / "results/tables" / name).read_text()
 
 
+def test_another_tier_is_refused_in_the_smoke_directory(smoke):
+    """The smoke run stamped its directory (dimattn.tiers): the default config, another tier, is
+    refused there before any job, naming both tiers, and nothing of the smoke run changes."""
+    record = json.loads((smoke / "results/tier.json").read_text())
+    assert record["tier"] == "smoke" and record["invocations"][-1]["ok"] is True
+    before = {p: p.stat().st_mtime_ns for p in (smoke / "results/summary").iterdir()}
+    out = snakemake("-n", cwd=smoke, timeout=120)
+    assert out.returncode != 0
+    assert "results are tier 'smoke', the config asks for tier 'default'" in out.stdout + out.stderr
+    assert {p: p.stat().st_mtime_ns for p in (smoke / "results/summary").iterdir()} == before
+
+
+def test_figures_from_a_published_tier(smoke, tmp_path, monkeypatch):
+    """make figures: the smoke run published (dimattn.reporting.published), then every table and
+    figure rendered from published/smoke alone, the tables byte-identical to the run's; a
+    published summary cut mid-row is refused naming it, before anything is drawn."""
+    from dimattn.reporting import published
+
+    monkeypatch.setattr(published, "_bf16_peak", lambda: 1.0)
+    work = workdir(tmp_path)
+    published.publish("smoke", smoke, work / "published")
+    args = ("--cores", "1", "--configfile", "configs/smoke.yaml", "--replace-workflow-config", "figures",
+            "--config", "figures_from=published")
+    out = snakemake(*args, cwd=work, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tables = sorted((smoke / "results/tables").glob("*.tex"))
+    assert tables and all((work / "results/tables" / t.name).read_bytes() == t.read_bytes() for t in tables)
+    shutil.rmtree(work / "results")
+    cut = work / "published/smoke/summary/dar_perplexity.csv"
+    cut.write_bytes(cut.read_bytes()[:-5])
+    out = snakemake(*args, cwd=work, timeout=300)
+    assert out.returncode != 0 and "dar_perplexity.csv: cut mid-row" in out.stdout + out.stderr
+    assert not (work / "results/tables").exists()
+
+
 def test_model_directory_generates_in_fresh_process(smoke):
     model_dir = smoke / "results/models/tiny-dar-w4-d16"  # generation through the DAR latent cache
     code = (

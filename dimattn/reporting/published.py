@@ -9,6 +9,7 @@ mid-row or not a CSV, naming it.
 
     python -m dimattn.reporting.published publish TIER [--workdir DIR]   # after a complete run
     python -m dimattn.reporting.published verify TIER
+    python -m dimattn.reporting.published readme        # the README's table of tiers
 """
 
 from __future__ import annotations
@@ -169,13 +170,54 @@ def publish(tier: str, workdir: os.PathLike | str = ".", dest_root: os.PathLike 
     return dest
 
 
+# The tiers in the README's table, in order: (tier, config, command).
+TIERS = (
+    ("default", "config.yaml", "make run"),
+    ("cpu-full", "configs/cpu-full.yaml", "make full"),
+)
+README_BEGIN, README_END = "<!-- tiers: written by python -m dimattn.reporting.published readme -->", "<!-- tiers end -->"
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(round(seconds % 60)):02d} s"
+
+
+def tiers_table(root: os.PathLike | str | None = None) -> str:
+    """The README's table of the CPU tiers, each figure read from its published manifest."""
+    root = Path(root or Path(__file__).resolve().parents[2] / paths.PUBLISHED)
+    lines = ["| tier | config | command | published run: jobs, job-seconds, wall time | host (bf16 peak, one thread) | commit, date |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for tier, config, command in TIERS:
+        if not (root / tier / MANIFEST).is_file():
+            lines.append(f"| {tier} | `{config}` | `{command}` | not published yet | | |")
+            continue
+        m = json.loads((root / tier / MANIFEST).read_text())
+        lines.append(
+            f"| {tier} | `{config}` | `{command}` | {m['jobs']} jobs, {m['job_seconds']:,.0f} job-s, "
+            f"{_minutes(m['wall_seconds'])} | {m['cpu']['model']}, {m['cpu']['cores']} cores "
+            f"({m['cpu']['bf16_peak_gflops']:g} GFLOP/s) | `{m['commit'][:10]}`, {m['date'][:10]} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def readme_with_tiers(readme: str, root=None) -> str:
+    """``readme`` with the block between the markers replaced by :func:`tiers_table`."""
+    head, rest = readme.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    return f"{head}{README_BEGIN}\n{tiers_table(root)}{README_END}{tail}"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["publish", "verify"])
-    parser.add_argument("tier")
+    parser.add_argument("action", choices=["publish", "verify", "readme"])
+    parser.add_argument("tier", nargs="?", help="publish, verify: the tier")
     parser.add_argument("--workdir", default=".", help="the tier's working directory (publish)")
     args = parser.parse_args(argv)
     try:
+        if args.action == "readme":  # the README's table of tiers, from the manifests
+            readme = Path(__file__).resolve().parents[2] / "README.md"
+            readme.write_text(readme_with_tiers(readme.read_text()))
+            return
         if args.action == "publish":
             dest = publish(args.tier, args.workdir)
             m = verify(dest)
