@@ -19,7 +19,7 @@ unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install run full test rehearsal figures publish findings clean
 
-# Each tier but the default runs in a working directory of its own (dimattn.tiers), laid out like
+# Each tier but the default runs in a working directory of its own (dimattn.workflow.tiers), laid out like
 # the repository root by links, so that no two configs share a results/ folder.
 TIER ?= default
 ifeq ($(TIER),default)
@@ -72,6 +72,6 @@ findings: install
 	$(BIN)/snakemake --cores 1 findings
 	$(BIN)/python -m dimattn.reporting.published readme
 
-# Every output folder of the workflow, as dimattn.paths lays them out (results/README.md stays).
+# Every output folder of the workflow, as dimattn.workflow.paths lays them out (results/README.md stays).
 clean: install
-	rm -rf $$($(BIN)/python -m dimattn.paths)
+	rm -rf $$($(BIN)/python -m dimattn.workflow.paths)

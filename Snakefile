@@ -19,12 +19,8 @@ include: "rules/dimpo.smk"
 include: "rules/report.smk"
 
 
-# The tier's run record (dimattn.tiers), kept by the main process of a run that computes (not
+# The tier's run record (dimattn.workflow.tiers), kept by the main process of a run that computes (not
 # `snakemake figures`): the published manifest's wall time and config digest.
-def recorded():
-    return set(workflow.dag_settings.targets) != {"figures"}
-
-
 onstart:
     if recorded():
         tiers.start(PLAN.config)

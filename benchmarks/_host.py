@@ -12,7 +12,7 @@ matmul-bound on one CPU and bound by the LM head's softmax or by elementwise pas
 - ``cpu_capability``: the kernels torch dispatches to (torch.backends.cpu.get_cpu_capability(),
   which stops at "AVX512"), and ``cpu_flags``: the /proc/cpuinfo flags that decide the bf16
   matmul path (AMX, AVX512-BF16), read at run time; ``bf16_native``: what precision "auto" takes
-  (dimattn.precision.bf16_supported).
+  (dimattn.pretraining.precision.bf16_supported).
 - ``host_{fp32,bf16}_peak_gflops``: the best one-thread n x n matmul (n = ``peak_n``), about a
   second in all; the per-script peaks (benchmarks/training.py's MFU lines) run at its threads.
 
@@ -82,7 +82,7 @@ def matmul_peak(dtype: torch.dtype, n: int = PEAK_N, budget_s: float = PEAK_BUDG
 @functools.cache
 def host() -> dict:
     """The host line's fields; measured once a process (tests call several benchmarks' main)."""
-    from dimattn.precision import bf16_supported
+    from dimattn.pretraining.precision import bf16_supported
 
     model, flags = cpuinfo()
     return {

@@ -15,7 +15,7 @@ bf16 matmul peak, ``host_bf16_peak_gflops``.
     swa_over_causal_8192: the window's time over full causal SDPA's at T=8192 (target <= 0.10;
     FLOP ratio 0.0615).
 (c) one DAR training step / one vanilla step on the default config's model, in float32 and
-    under bf16 autocast (fused AdamW, as dimattn.training runs it); benchmarks/training.py has
+    under bf16 autocast (fused AdamW, as dimattn.pretraining.training runs it); benchmarks/training.py has
     the throughput and MFU of these steps.
 (d) DAR cache bytes / vanilla KV-cache bytes after a 4096-token prompt.
 (e) DAR's blocked kernel (forward+backward) in bfloat16 / in float32, at the default model's
@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._host import announce, stamp  # noqa: E402
 from dimattn import DimAttnConfig, DimAttnForCausalLM  # noqa: E402
-from dimattn.attention import dar_attention, sliding_window_attention  # noqa: E402
-from dimattn.modeling_dimattn import kv_cache_nbytes  # noqa: E402
-from dimattn.training import keep_freed_memory  # noqa: E402
+from dimattn.model.attention import dar_attention, sliding_window_attention  # noqa: E402
+from dimattn.model.modeling_dimattn import kv_cache_nbytes  # noqa: E402
+from dimattn.pretraining.training import keep_freed_memory  # noqa: E402
 
 H200_BF16_FLOPS = 790e12  # measured dense bf16 matmul peak of the lent H200 (device README)
 
@@ -251,7 +251,7 @@ def main(argv=None):
     parser.add_argument("--config", type=Path, default=Path(__file__).resolve().parents[1] / "config.yaml")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    keep_freed_memory()  # as dimattn.training does on CPU
+    keep_freed_memory()  # as dimattn.pretraining.training does on CPU
     announce()
     if args.suite == "gpu":
         if not torch.cuda.is_available():

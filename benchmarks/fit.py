@@ -4,11 +4,11 @@ per line.
     python benchmarks/fit.py                      # the default config's fits, 1 thread
     python benchmarks/fit.py --objectives kl --steps 256
 
-dimattn.projections.fit_projections on the default run's ``tiny-vanilla`` fit capture where it
+dimattn.dimpo.projections.fit_projections on the default run's ``tiny-vanilla`` fit capture where it
 exists (--capture), else on a random one of its shape (--layers, --sequences, --heads, --seq-len,
 --head-dim; random keys give flatter attention than a model's, so DimPO's listwise term costs
 more there), with the default config's ``dimpo.hparams`` (its preset, n_instances and per-objective lr): once with the layers
-in lockstep (dimattn.resources.FIT_LOCKSTEP_BYTES as set), once with a budget of one byte, so
+in lockstep (dimattn.workflow.resources.FIT_LOCKSTEP_BYTES as set), once with a budget of one byte, so
 that each layer goes alone. The two run back to back in every repeat; each line gives their
 median wall seconds, the ratio (lockstep over one at a time) and the largest difference between
 the two fits' maps, which are the same fit up to float summation order. The host line
@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._host import announce, stamp  # noqa: E402
-from dimattn import resources  # noqa: E402
-from dimattn.projections import fit_projections, load_capture, lockstep_group  # noqa: E402
+from dimattn.workflow import resources  # noqa: E402
+from dimattn.dimpo.projections import fit_projections, lockstep_group
+from dimattn.dimpo.capture_files import load_capture  # noqa: E402
 
 DEFAULT_CAPTURE = ROOT / "results" / "dimpo" / "tiny-vanilla" / "capture_fit.safetensors"
 

@@ -28,26 +28,26 @@ Sections, in order (each line names its section; ``elapsed_s`` is the section's 
   calls reused the cached mask (``mask_cached``), the same kernel with the mask passed in directly
   (``flex_prebuilt_mask_ms``), and ``compiled``: whether the call ran one of flex_attention's own compiled
   graphs (past dynamo's recompile limit it silently runs the unfused path; a check on CUDA).
-- ``train``: one optimizer step of dimattn.training's loop (bf16 autocast, forward with the loss,
+- ``train``: one optimizer step of dimattn.pretraining.training's loop (bf16 autocast, forward with the loss,
   backward, clipping, configure_optimizer's fused AdamW) on Pythia-70M's shapes (6 layers, d=512,
   8 heads, rotary_pct 0.25, vocab 50,304, seq 2048; vanilla and DAR w=128, d_down=128), through
   torch.compile as training.compile does on CUDA (skipped off CUDA): tokens/s and MFU, FLOPs
   counted as benchmarks/training.py counts them (step_flops), and the graph breaks dynamo took
   (a check: a compiled model must trace whole, FlexAttention and its masks included).
-- ``fit``: dimattn.projections.fit_layer (what fit_to_file, the fit_projection rule's code, calls
+- ``fit``: dimattn.dimpo.projections.fit_layer (what fit_to_file, the fit_projection rule's code, calls
   per layer) with objective dimpo at d' = 64 on a synthetic capture of Llama-3.1-8B's layer shape
   (32 query heads, 8 KV heads, head_dim 128, 4,096 keys a list, the authors' settings: batch 1):
   instances/s from the time of S more steps (a run of s0 + S steps minus one of s0).
-- ``capture``: dimattn.capture.capture_qkv on a random two-layer LlamaConfig model with
+- ``capture``: dimattn.dimpo.capture.capture_qkv on a random two-layer LlamaConfig model with
   Llama-3.1-8B's layer (hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128,256) at seq 4096,
   in float32 (capture_dtype's default): the allocator's peak GPU memory
   (torch.cuda.max_memory_allocated) and the host's peak RSS over the capture, against the bytes
   of the captured tensors.
-- ``pretrain``: dimattn.training.pretrain, the pretrain rule's loop (bf16 autocast, torch.compile,
+- ``pretrain``: dimattn.pretraining.training.pretrain, the pretrain rule's loop (bf16 autocast, torch.compile,
   checkpoints, the save_pretrained export), on config.yaml's recall corpus and scale (the corpus
-  generated here: dimattn.recall), vanilla and DAR at w = 4, d_down = 4 (vanilla alone with
+  generated here: dimattn.data.recall), vanilla and DAR at w = 4, d_down = 4 (vanilla alone with
   --small); then the exported directory is loaded and scored through its KV cache
-  (dimattn.recall.score_recall, as the recall rule does). A check passes when the validation
+  (dimattn.data.recall.score_recall, as the recall rule does). A check passes when the validation
   loss fell to half the first step's loss, recall is at least twice chance and the compiled
   model traced whole. steps/s, wall time, graph breaks.
 - ``summary``: every failed check by name; the exit status is 1 when any failed.
@@ -72,10 +72,10 @@ from benchmarks._host import matmul_peak as host_matmul_peak  # noqa: E402
 from benchmarks.attention import H200_BF16_FLOPS, emit, interleaved  # noqa: E402
 from benchmarks.training import step_flops  # noqa: E402
 from dimattn import DimAttnConfig, DimAttnForCausalLM  # noqa: E402
-from dimattn import attention as attn  # noqa: E402
-from dimattn.attention import dar_attention, dilated_attention, sliding_window_attention  # noqa: E402
-from dimattn.precision import autocast  # noqa: E402
-from dimattn.training import TrainConfig, configure_optimizer, keep_freed_memory  # noqa: E402
+from dimattn.model import attention as attn  # noqa: E402
+from dimattn.model.attention import dar_attention, dilated_attention, sliding_window_attention  # noqa: E402
+from dimattn.pretraining.precision import autocast  # noqa: E402
+from dimattn.pretraining.training import TrainConfig, configure_optimizer, keep_freed_memory  # noqa: E402
 
 SECTIONS = ("kernels", "kernel_speed", "train", "fit", "capture", "pretrain")
 TOLERANCE = {"rel_norm": 2e-2, "max_rel": 5e-2}  # of every checked tensor, bf16 against float64
@@ -353,7 +353,7 @@ def train_step(device, small, peak, repeats):
     cuda = device.type == "cuda"
     if not cuda:
         skipped("train", "torch.compile",
-                f"dimattn.training compiles on CUDA only (training.compile is ignored on {device.type})")
+                f"dimattn.pretraining.training compiles on CUDA only (training.compile is ignored on {device.type})")
     cfg = TrainConfig(seq_len=T, batch_size=B, lr=1e-3, precision="bf16", compile=cuda)  # lr: Pythia-70M's
     x = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(0)).to(device)
     cases, flops, params = {}, {}, {}
@@ -365,7 +365,7 @@ def train_step(device, small, peak, repeats):
         model = DimAttnForCausalLM(DimAttnConfig(vocab_size=vocab, max_position_embeddings=T, **arch, **extra)).to(device)
         model.train()
         optimizer = configure_optimizer(model, cfg)
-        forward = torch.compile(model) if cfg.compile else model  # as dimattn.training._train
+        forward = torch.compile(model) if cfg.compile else model  # as dimattn.pretraining.training._train
 
         def step(model=model, forward=forward, optimizer=optimizer):
             with autocast(device.type, cfg.precision):
@@ -403,7 +403,8 @@ def train_step(device, small, peak, repeats):
 
 
 def fit_step(device, small):
-    from dimattn.projections import fit_layer, resolve_settings
+    from dimattn.dimpo.projections import fit_layer
+    from dimattn.dimpo.fit_settings import resolve_settings
 
     n, heads, kv_heads, keys, head_dim, d_prime, s0, extra = SHAPES["fit"]["small" if small else "full"]
     g = torch.Generator().manual_seed(0)
@@ -453,7 +454,7 @@ def _reset_host_peak() -> bool:
 def capture_layer(device, small):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dimattn.capture import capture_qkv
+    from dimattn.dimpo.capture import capture_qkv
 
     hidden, heads, kv_heads, mlp, vocab, layers, T, n = SHAPES["capture"]["small" if small else "full"]
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
@@ -510,9 +511,9 @@ def pretrain_run(device, small):
     import pandas as pd
     import yaml
 
-    from dimattn.evaluation import load_model
-    from dimattn.recall import RecallSettings, score_recall, write_recall_corpus
-    from dimattn.training import pretrain
+    from dimattn.evaluation.scoring import load_model
+    from dimattn.data.recall import RecallSettings, score_recall, write_recall_corpus
+    from dimattn.pretraining.training import pretrain
 
     size = PRETRAIN["small" if small else "full"]
     cuda = device.type == "cuda"
@@ -573,7 +574,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cpu":
-        keep_freed_memory()  # as dimattn.training does on CPU
+        keep_freed_memory()  # as dimattn.pretraining.training does on CPU
     else:
         torch._logging.set_logs(graph_breaks=True)  # each break's reason on stderr, beside the count
     total = time.perf_counter()

@@ -8,17 +8,17 @@ exact match (the answers teacher-forced) and the drill's accuracy per query.
     python benchmarks/key_matching.py mix                                   # the suite's layout
     python benchmarks/key_matching.py mix --needles single --question-first --drill 0.25
 
-These are the experiments that decided dimattn.longctx's layout settings: the generator now
+These are the experiments that decided dimattn.data.longctx's layout settings: the generator now
 writes the layout that works (``needles: fused``, ``question_first``, ``drill``; the suite's
 eight subtasks, configs/cpu-full.yaml). This script keeps the five-subtask mix and its
 teacher-forced scoring, to rerun the comparisons quickly.
 
-- ``--needles tokens``: a needle is ``k = v``, three tokens, as dimattn.longctx writes it;
+- ``--needles tokens``: a needle is ``k = v``, three tokens, as dimattn.data.longctx writes it;
   ``single``: one token ``k{i}v{j}`` a needle (the recall probe's fused pairs), and vt's
   ``x{a} = x{b}`` one token ``k{a}k{b}``.
 - ``--question-first``: ``<|task|> <|query|> question answer``, so the first answer token is
   predicted at the question's last token (the asked key); otherwise ``<|task|> question
-  <|query|> answer``, as dimattn.longctx and RULER (an answer after the key, a previous-token
+  <|query|> answer``, as dimattn.data.longctx and RULER (an answer after the key, a previous-token
   step first).
 - ``--drill S``: a share S of each batch is the drill: 8 single-token pairs at random places
   among 64 words (or at positions 1-8: ``--pairs fixed``), then as many queries as fit, each
@@ -26,7 +26,7 @@ teacher-forced scoring, to rerun the comparisons quickly.
   ``--directions 3`` also asks value to key and, over name pairs ``a = b``, ``b`` to ``a``
   (vt's lookups). ``drill`` trains on the drill alone and scores it.
 
-The subtasks (a five-subtask subset of dimattn.longctx's, 16 keys, values and words, 128-token
+The subtasks (a five-subtask subset of dimattn.data.longctx's, 16 keys, values and words, 128-token
 examples): niah_single (one needle), niah_multikey (4 needles, one asked), niah_multivalue (4
 values of one key, all in context order), niah_multiquery (4 needles, all asked, shuffled),
 vt (2 chains of 5 names, a value asked, its chain's names in order).
@@ -47,11 +47,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dimattn.longctx import ASSIGN_ID as ASSIGN  # noqa: E402
-from dimattn.longctx import _insert  # noqa: E402  (needles written apart, in order, at uniform places)
-from dimattn.recall import BOS_ID as BOS  # noqa: E402
-from dimattn.recall import EOS_ID as EOS  # noqa: E402
-from dimattn.recall import QUERY_ID as QUERY  # noqa: E402
+from dimattn.data.longctx import ASSIGN_ID as ASSIGN  # noqa: E402
+from dimattn.data.longctx import _insert  # noqa: E402  (needles written apart, in order, at uniform places)
+from dimattn.data.recall import BOS_ID as BOS  # noqa: E402
+from dimattn.data.recall import EOS_ID as EOS  # noqa: E402
+from dimattn.data.recall import QUERY_ID as QUERY  # noqa: E402
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
 N = 16  # keys, values and words each
@@ -192,8 +192,8 @@ def main(argv=None):
 
     from benchmarks._host import announce, stamp
     from dimattn import DimAttnConfig, DimAttnForCausalLM
-    from dimattn.precision import autocast
-    from dimattn.training import TrainConfig, configure_optimizer, keep_freed_memory, lr_at
+    from dimattn.pretraining.precision import autocast
+    from dimattn.pretraining.training import TrainConfig, configure_optimizer, keep_freed_memory, lr_at
 
     torch.set_num_threads(1)
     keep_freed_memory()

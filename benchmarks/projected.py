@@ -3,7 +3,7 @@
     python benchmarks/projected.py                 # CPU: a small Llama (GQA), 2 threads
     python benchmarks/projected.py --device cuda   # the same shapes on CUDA, bf16
 
-dimattn.latency.measure on a random Llama of the given shape, with random projections at
+dimattn.evaluation.latency.measure on a random Llama of the given shape, with random projections at
 d' = head_dim / 2 (latency does not depend on their values): the base model, SnapKV (a quarter
 of the prompt), DimPO's projection on the last half and on every layer, and on every layer with
 SnapKV. Each setting runs back to back with the base model in every repeat; each line gives
@@ -26,9 +26,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._host import announce, stamp  # noqa: E402
-from dimattn.affine import Affine  # noqa: E402
-from dimattn.latency import measure  # noqa: E402
-from dimattn.modeling_projected import attention_modules  # noqa: E402
+from dimattn.model.affine import Affine  # noqa: E402
+from dimattn.evaluation.latency import measure  # noqa: E402
+from dimattn.model.modeling_projected import attention_modules  # noqa: E402
 
 
 def build(args):

@@ -60,7 +60,7 @@ def emit(record: dict) -> None:
 # --- Snakemake benchmark files -------------------------------------------------------------------
 
 def rule_of(path: Path, root: Path) -> str:
-    """The rule a benchmark file belongs to: the folder it lies in (dimattn.paths.bench)."""
+    """The rule a benchmark file belongs to: the folder it lies in (dimattn.workflow.paths.bench)."""
     return path.relative_to(root).parts[0]
 
 
@@ -108,11 +108,11 @@ def default_model(config_path: Path, d_down: int | None, scale_name: str = "tiny
     vocab = config["tokenizer"]["vocab_size"]
     dataset = config["datasets"].get(scale.get("dataset", config["pretraining"]["dataset"]), {})
     if dataset.get("source") == "synthetic_recall":
-        from dimattn.recall import RecallSettings
+        from dimattn.data.recall import RecallSettings
 
         vocab = RecallSettings.from_spec(dataset).vocab_size
     elif dataset.get("source") == "synthetic_longctx":
-        from dimattn.longctx import LongContextSettings
+        from dimattn.data.longctx import LongContextSettings
 
         vocab = LongContextSettings.from_spec(dataset).vocab_size
     return arch, scale["training"], keys, vocab
@@ -121,7 +121,7 @@ def default_model(config_path: Path, d_down: int | None, scale_name: str = "tiny
 def corpus_batch(config_path: Path, scale_name: str, batch: int, vocab: int, seq_len: int):
     """(x, labels) of one training batch as the scale's corpus gives it: random tokens labelled
     everywhere for text; the generator's own examples, labelled on the answers only, for the
-    synthetic corpora (dimattn.recall, dimattn.longctx), whose head then sees 1 row in 8."""
+    synthetic corpora (dimattn.data.recall, dimattn.data.longctx), whose head then sees 1 row in 8."""
     import numpy as np
     import torch
     import yaml
@@ -131,11 +131,11 @@ def corpus_batch(config_path: Path, scale_name: str, batch: int, vocab: int, seq
     spec = config["datasets"].get(scale.get("dataset", config["pretraining"]["dataset"]), {})
     rng = np.random.default_rng(0)
     if spec.get("source") == "synthetic_longctx":
-        from dimattn.longctx import LongContextSettings, generate_split
+        from dimattn.data.longctx import LongContextSettings, generate_split
 
         x, mask = generate_split(LongContextSettings.from_spec(spec), "train", batch, rng)
     elif spec.get("source") == "synthetic_recall":
-        from dimattn.recall import RecallSettings, find_queries, generate_examples
+        from dimattn.data.recall import RecallSettings, find_queries, generate_examples
 
         settings = RecallSettings.from_spec(spec)
         x, mask = generate_examples(settings, batch, rng), None
@@ -170,7 +170,7 @@ def step_flops(model, batch: int, seq_len: int) -> float:
 # --- where a step's time goes --------------------------------------------------------------------
 
 # Regions, matched on an op's name or an enclosing one's, innermost first: the LM head's loss is
-# an autograd function (dimattn.modeling_dimattn.lm_head_loss) whose matmuls and softmax would
+# an autograd function (dimattn.model.modeling_dimattn.lm_head_loss) whose matmuls and softmax would
 # otherwise count as matmul and elementwise; so are the blocked attention kernels (_JointAttention:
 # vanilla's and DAR's on CPU).
 REGIONS = {
@@ -238,9 +238,9 @@ def bench_training(args) -> None:
 
     from benchmarks._host import reporter
     from dimattn import DimAttnConfig, DimAttnForCausalLM
-    from dimattn import modeling_dimattn as modeling
-    from dimattn.precision import autocast, bf16_supported, resolve_precision
-    from dimattn.training import TrainConfig, configure_optimizer, keep_freed_memory
+    from dimattn.model import modeling_dimattn as modeling
+    from dimattn.pretraining.precision import autocast, bf16_supported, resolve_precision
+    from dimattn.pretraining.training import TrainConfig, configure_optimizer, keep_freed_memory
 
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as training.py does on CPU

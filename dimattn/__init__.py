@@ -10,8 +10,8 @@ def __getattr__(name):
     if name in __all__:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from .configuration_dimattn import DimAttnConfig
-        from .modeling_dimattn import DimAttnForCausalLM
+        from dimattn.model.configuration_dimattn import DimAttnConfig
+        from dimattn.model.modeling_dimattn import DimAttnForCausalLM
 
         # In-process registration; saved directories also carry auto_map for trust_remote_code.
         AutoConfig.register(DimAttnConfig.model_type, DimAttnConfig, exist_ok=True)

@@ -1,8 +1,8 @@
-"""Config validation, the plan of runs (dimattn.sweeps), shared wildcard constraints and stems,
+"""Config validation, the plan of runs (dimattn.workflow.sweeps), shared wildcard constraints and stems,
 input functions and targets.
 
-The vocabulary of variants lives in dimattn.variants, the sweep logic in dimattn.sweeps, the
-results/ layout in dimattn.paths and the defaults in the schema: this file only connects them
+The vocabulary of variants lives in dimattn.model.variants, the sweep logic in dimattn.workflow.sweeps, the
+results/ layout in dimattn.workflow.paths and the defaults in the schema: this file only connects them
 to Snakemake.
 """
 
@@ -14,12 +14,12 @@ from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir)))  # dimattn, when it is not pip-installed
 
-from dimattn import paths, resources, sweeps, tiers
-from dimattn.lm_eval_tasks import own_task_names
+from dimattn.workflow import paths, resources, sweeps, tiers
+from dimattn.evaluation.lm_eval_tasks import own_task_names
 
 # Every job reads the Hugging Face caches only (compute nodes have no network): set here, where
 # the main process and each cluster job parse the workflow; the download rules (localrules) give
-# their scripts the user's own settings back (dimattn.resources.online).
+# their scripts the user's own settings back (dimattn.workflow.resources.online).
 resources.go_offline()
 
 validate(config, schema="../schemas/config.schema.yaml")
@@ -30,27 +30,33 @@ try:
     PLAN = sweeps.plan(sweeps.validate(config))
     # the suite generator's refusals (numpy, so not in the torch-free sweeps)
     if PLAN.longctx_datasets:
-        from dimattn.longctx import check_datasets
+        from dimattn.data.longctx import check_datasets
 
         check_datasets(PLAN)
 except sweeps.ConfigError as e:
     raise WorkflowError(str(e)) from None
 RUNS = PLAN.runs
 try:
-    # One tier a working directory (dimattn.tiers): another tier's results/ are never rebuilt.
+    # One tier a working directory (dimattn.workflow.tiers): another tier's results/ are never rebuilt.
     tiers.check(PLAN.config["tier"])
 except tiers.TierError as e:
     raise WorkflowError(str(e)) from None
 try:
-    # From the work (dimattn.resources); a first attempt beyond the node is refused here.
+    # From the work (dimattn.workflow.resources); a first attempt beyond the node is refused here.
     FIRST_ATTEMPTS = resources.first_attempts(PLAN)
 except resources.ResourceError as e:
     raise WorkflowError(str(e)) from None
 
 
+def recorded():
+    """Whether this run keeps the tier's run record (the Snakefile's onstart): a computing run,
+    not `snakemake figures`."""
+    return set(workflow.dag_settings.targets) != {"figures"}
+
+
 # Every job's device (config.device), for the scripts' params and gpu_count.
 DEVICE = PLAN.config["device"]
-# The scoring jobs' precision (evaluation.precision: dimattn.precision).
+# The scoring jobs' precision (evaluation.precision: dimattn.pretraining.precision).
 SCORE_PRECISION = PLAN.config["evaluation"]["precision"]
 
 
@@ -140,7 +146,7 @@ def run_tokenizer(wildcards):
 def scaled(first, key):
     """Snakemake's ``mem_mb`` or ``runtime`` (``key``) of a rule: ``first`` (a number, or a
     function of the wildcards) on the first attempt, growing with the attempt up to the node
-    (dimattn.resources.attempt_scaled, the formulas' home)."""
+    (dimattn.workflow.resources.attempt_scaled, the formulas' home)."""
     node = "node_mem_mb" if key == "mem_mb" else "node_runtime_min"
     cap = PLAN.config["cluster"][node]
     # A rule's own number: a node smaller than it is refused here, at parse.
@@ -159,13 +165,13 @@ def scaled(first, key):
 
 def run_resource(key):
     """mem_mb or runtime of a pretraining run: its scale's configured value or the estimate from
-    its shape and tokens (dimattn.resources.pretrain), whichever is larger."""
+    its shape and tokens (dimattn.workflow.resources.pretrain), whichever is larger."""
     return scaled(lambda wc: FIRST_ATTEMPTS["pretrain"][wc.run][key], key)
 
 
 def capture_resource(key):
     """mem_mb or runtime of a capture: dimpo.resources or the estimate from the model's shape
-    (dimattn.resources.capture), whichever is larger."""
+    (dimattn.workflow.resources.capture), whichever is larger."""
     return scaled(lambda wc: FIRST_ATTEMPTS["capture"][wc.model][key], key)
 
 
@@ -181,7 +187,7 @@ def capture_hparams():
 
 
 def fit_hparams(wildcards):
-    """dimpo.hparams as one fit reads them (dimattn.projections.resolve_settings): its own
+    """dimpo.hparams as one fit reads them (dimattn.dimpo.fit_settings.resolve_settings): its own
     objective's per_objective entry alone and its ablation setting (the job's seeds are
     params.seeds). Snakemake reruns a
     job whose params change, so a change to one objective's hparams reruns that objective's fits
@@ -195,7 +201,7 @@ def fit_hparams(wildcards):
 
 def fit_resource(key):
     """mem_mb or runtime of a fit: dimpo.resources or the estimate from the model's shape, the
-    captures' tokens and d' (dimattn.resources.fit), whichever is larger."""
+    captures' tokens and d' (dimattn.workflow.resources.fit), whichever is larger."""
     return scaled(lambda wc: FIRST_ATTEMPTS["fit"][wc.model](wc.d_prime)[key], key)
 
 
@@ -203,7 +209,7 @@ def score_resource(job, key):
     """mem_mb or runtime of a scoring job (score_text, perplexity: by run;
     score_projected, score_base: by model and d', the runtime once for each projected model the
     job scores in turn, job_seeds), from the model's shape, tokens and tasks
-    (dimattn.resources.score)."""
+    (dimattn.workflow.resources.score)."""
     if job == "score_projected":
         return scaled(
             lambda wc: FIRST_ATTEMPTS[job][wc.model](wc.d_prime)[key]

@@ -87,7 +87,7 @@ rule fit_projection:
 
 
 # dimpo.downstream: Table 1's projections at work. A projected model is a model directory
-# (dimattn.modeling_projected) that lm-eval's `hf` model loads; the base model (objective
+# (dimattn.model.modeling_projected) that lm-eval's `hf` model loads; the base model (objective
 # "base", l = 0) is one too, so that KV compression applies to it alike. One job builds (and one
 # scores) the projected models of every fit seed in turn: a process start (torch, transformers,
 # lm-eval: about 4 s) once for all of them; the base model, one seed, has jobs of its own.

@@ -94,7 +94,7 @@ rule recall:
         "../workflow_scripts/recall.py"
 
 
-# The long-context suite (dimattn.longctx), on the run's own corpus and evaluation.longctx.datasets.
+# The long-context suite (dimattn.data.longctx), on the run's own corpus and evaluation.longctx.datasets.
 rule longctx:
     input:
         model=paths.model("{run}"),
@@ -122,7 +122,7 @@ rule longctx:
         "../workflow_scripts/recall.py"
 
 
-# The data of the workflow's own lm-eval tasks (YAMLs in dimattn/lm_eval_tasks).
+# The data of the workflow's own lm-eval tasks (YAMLs in dimattn/evaluation/lm_eval_tasks).
 rule write_lm_eval_data:
     input:
         test=lambda wc: paths.documents(PLAN.lm_eval["write_tasks_from"], "test"),

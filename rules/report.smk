@@ -5,6 +5,7 @@
 import functools
 
 from dimattn.reporting import outputs
+from dimattn.reporting.findings import TIERS as FINDINGS_TIERS
 
 REPORT_ASKS = dict(
     runs=[PLAN.runs[run].fields for run in PLAN.reported_runs],
@@ -13,13 +14,6 @@ REPORT_ASKS = dict(
     longctx=bool(PLAN.longctx_runs),
 )
 SUMMARIES = outputs.wanted_summaries(**REPORT_ASKS)
-
-
-def findings_tiers():
-    """The tiers docs/findings.md reads, in its order (dimattn.reporting.findings.TIERS)."""
-    from dimattn.reporting.findings import TIERS
-
-    return list(TIERS)
 
 REPORTED = outputs.wanted(**REPORT_ASKS)
 # report_targets(): every summary CSV and every table and figure (the Snakefile's `rule all`).
@@ -303,7 +297,7 @@ rule findings:
         claims=f"{PLAN.config['reference_dir']}/claims.yaml",
         manifests=[
             f"{paths.published(tier)}/manifest.json"
-            for tier in findings_tiers()
+            for tier in FINDINGS_TIERS
             if Path(f"{paths.published(tier)}/manifest.json").exists()
         ],
     log:
@@ -316,8 +310,7 @@ rule findings:
         mem_mb=scaled(1000, "mem_mb"),
     params:
         published=paths.PUBLISHED,
-        reference_dir=PLAN.config["reference_dir"],
-        tiers=findings_tiers(),
+        tiers=list(FINDINGS_TIERS),
         dest="docs/findings.md",
     script:
         "../workflow_scripts/findings.py"

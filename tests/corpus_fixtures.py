@@ -3,7 +3,7 @@
 import random
 from pathlib import Path
 
-from dimattn import data
+from dimattn.data import corpora as data
 
 WORDS = "the king queen sword crown night day love death fool heart blood ghost storm sea ship lord".split()
 

@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dimattn import paths, variants
+from dimattn.workflow import paths
+
+from dimattn.model import variants
 from dimattn.reporting import latex, summaries
-from dimattn.sweeps import RULER_TASKS
+from dimattn.workflow.sweeps import RULER_TASKS
 
 REFERENCE = Path(__file__).resolve().parents[1] / "reference"
 
@@ -61,7 +63,7 @@ def sweep():
 
 
 def small_fields(attention: str, d_down: int | None) -> dict:
-    """The run fields every raw output carries (dimattn.runs.run_metadata)."""
+    """The run fields every raw output carries (dimattn.workflow.runs.run_metadata)."""
     model = {"attention": attention, "hidden_size": HIDDEN, "d_down": d_down, "window": WINDOW}
     return variants.run_fields(run_name(attention, d_down), model)
 
@@ -176,7 +178,7 @@ def fit_factor(objective: str, seed: int) -> float:
 
 def write_fidelity_csvs(root: Path, setting: str = "default", seeds=(0,), objectives=None, d_primes=None,
                         folder: str = "dimpo") -> list[Path]:  # fmt: skip
-    """A fidelity CSV per (objective, d', seed) in the format of dimattn.projections.fidelity_to_file;
+    """A fidelity CSV per (objective, d', seed) in the format of dimattn.dimpo.projections.fidelity_to_file;
     seed s multiplies seed 0's KL and MSE by ``fit_factor``. ``setting`` applies to DimPO's fits;
     the inference-scale columns are 1.5 x KL and MSE, the top-4 recall 1 - KL / (1 + KL)."""
     rng = np.random.default_rng(0)
@@ -238,7 +240,7 @@ def write_fidelity_summary(root: Path, summary: Path, seeds=(0,)) -> Path:
     return out
 
 
-# Downstream scores of projected models (dimattn.dimpo_scoring.score_projected): per objective, the
+# Downstream scores of projected models (dimattn.evaluation.projected.score_projected): per objective, the
 # next-line accuracy and perplexity at l = 0 (base), 2 and 4 of 4 layers.
 DOWNSTREAM = {
     ("base", 0): (0.40, 50.0),
@@ -325,7 +327,7 @@ NEEDLE_SCORES = {("long-vanilla", 128): [100.0, 80.0], ("long-vanilla", 256): [6
 
 
 def longctx_record(run: str, seq_len: int) -> dict:
-    """A longctx job's JSON (dimattn.longctx): niah_single 100 in every bin, niah_multikey NEEDLE_SCORES."""
+    """A longctx job's JSON (dimattn.data.longctx): niah_single 100 in every bin, niah_multikey NEEDLE_SCORES."""
     model = {"attention": "vanilla", "hidden_size": 64} if run == "long-vanilla" else \
         {"attention": "dar", "hidden_size": 64, "d_down": 16, "window": 8}  # fmt: skip
     bins = [{"depth_lo": lo, "depth_hi": hi, "score": s, "n": 6 + i}
@@ -368,7 +370,7 @@ def write_projected_suite_jsons(root):
 
 
 def write_latency_json(root: Path) -> Path:
-    """dimattn.latency rows of one model: fixed times, the cache of DimPO at d' = d / 4."""
+    """dimattn.evaluation.latency rows of one model: fixed times, the cache of DimPO at d' = d / 4."""
     rows = []
     for i, (setting, l, kv, cache) in enumerate([("base", 0, "none", 1.0), ("snapkv", 0, "snapkv", 0.25),
                                                 ("dimpo l=4", 4, "none", 0.625)]):  # fmt: skip
@@ -514,7 +516,7 @@ def replicated(runs=FULL, seeds=(0, 1, 2)) -> list[dict]:
 
 
 def fields(s: dict) -> dict:
-    """What dimattn.sweeps.Run.fields gives the planned run (the run fields, scale, dataset, synthetic)."""
+    """What dimattn.workflow.sweeps.Run.fields gives the planned run (the run fields, scale, dataset, synthetic)."""
     return variants.run_fields(s["run"], s["model"], s["seed"]) | {k: s[k] for k in ("scale", "dataset", "synthetic")}
 
 
@@ -593,7 +595,7 @@ def write_full(root: Path, runs=FULL) -> dict[str, list[Path]]:
             "attention_layers": None,
         } | s["model"]
         (model / "config.json").write_text(json.dumps(config))
-        (model / "training.json").write_text(json.dumps({"seed": seed}))  # dimattn.runs.run_metadata reads it
+        (model / "training.json").write_text(json.dumps({"seed": seed}))  # dimattn.workflow.runs.run_metadata reads it
         final = math.log(s["rel"] / 100) if not s["synthetic"] else 0.5 - s["acc"] / 2
         base = (5.0 if not s["synthetic"] else 2.0) + math.log(VANILLA_SEED_FACTOR[seed])
         lines = ["step,tokens,lr,train_loss,val_loss"]

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from dimattn import attention
-from dimattn.attention import (
+from dimattn.model import blocked
+from dimattn.model.attention import (
     ATTENTION_VARIANTS,
     causal_attention,
     dar_attention,
@@ -198,9 +198,9 @@ def use_blocked(monkeypatch, impl):
     """"joint": the CPU kernel; "flash-paths" / "math-paths": the LSE-merged paths, which serve
     beyond the joint kernel's memory budget, with PyTorch's fused CPU kernel or pure PyTorch."""
     if impl != "joint":
-        monkeypatch.setattr(attention, "JOINT_MAX_BYTES", -1)
+        monkeypatch.setattr(blocked, "JOINT_MAX_BYTES", -1)
     if impl == "math-paths":
-        monkeypatch.setattr(attention, "_fused_cpu", lambda x: False)
+        monkeypatch.setattr(blocked, "_fused_cpu", lambda x: False)
 
 
 @pytest.mark.parametrize("impl", ["joint", "flash-paths", "math-paths"])
@@ -231,7 +231,7 @@ JOINT_PATTERNS = {
 def test_joint_kernel_block_geometry(pattern, T, window, rows, monkeypatch):
     """Blocks of any height, widths padded with masked keys to JOINT_ALIGN, first and last
     blocks cut short: the same output and gradients as the dense reference."""
-    monkeypatch.setattr(attention, "JOINT_ROWS", rows)
+    monkeypatch.setattr(blocked, "JOINT_ROWS", rows)
     fn = JOINT_PATTERNS[pattern]
     ts = [t.requires_grad_(True) for t in random_qkv(B=1, H=2, T=T, D=4, seed=T)]
     out = fn(ts, window, "blocked")
@@ -243,10 +243,10 @@ def test_joint_kernel_block_geometry(pattern, T, window, rows, monkeypatch):
 def test_joint_kernel_serves_cpu_within_its_memory_budget(monkeypatch):
     q, kn, vn, kf, vf = [t.requires_grad_(True) for t in random_qkv(T=40)]
     calls = []
-    monkeypatch.setattr(attention._JointAttention, "apply", lambda *a: calls.append("joint") or q * 0)
-    monkeypatch.setattr(attention._MergedAttention, "apply", lambda *a: calls.append("merged") or q * 0)
+    monkeypatch.setattr(blocked._JointAttention, "apply", lambda *a: calls.append("joint") or q * 0)
+    monkeypatch.setattr(blocked._MergedAttention, "apply", lambda *a: calls.append("merged") or q * 0)
     dar_attention(q, kn, vn, kf, vf, 8, kernel="blocked")
-    monkeypatch.setattr(attention, "JOINT_MAX_BYTES", 2 * 3 * 40 * 40 * 8 // 2)  # about half of what it keeps
+    monkeypatch.setattr(blocked, "JOINT_MAX_BYTES", 2 * 3 * 40 * 40 * 8 // 2)  # about half of what it keeps
     dar_attention(q, kn, vn, kf, vf, 8, kernel="blocked")
     with torch.no_grad():  # nothing kept for a backward: no budget
         dar_attention(q, kn, vn, kf, vf, 8, kernel="blocked")
@@ -359,8 +359,8 @@ def test_band_blocks_differ_between_forward_and_backward(pattern, impl, monkeypa
     merged into those rows."""
     use_blocked(monkeypatch, impl)
     window = 80
-    assert attention.Band(window)._geometry(150) == (32, 4, 5)
-    assert attention.Band(window)._geometry(150, backward=True) == (40, 3, 4)
+    assert blocked.Band(window)._geometry(150) == (32, 4, 5)
+    assert blocked.Band(window)._geometry(150, backward=True) == (40, 3, 4)
     fn, naive, _ = PATTERNS[pattern]
     ts = [t.requires_grad_(True) for t in random_qkv(B=1, H=2, T=150, D=4, seed=3)]
     assert_same_outputs_and_grads(fn(ts, window, "blocked"), naive(ts, window), ts)
@@ -368,11 +368,11 @@ def test_band_blocks_differ_between_forward_and_backward(pattern, impl, monkeypa
 
 def test_sliding_window_without_grad_leaves_the_joint_kernel_past_its_length(monkeypatch):
     """No backward: past JOINT_NOGRAD_MAX_T queries one flash call per path serves, same values."""
-    monkeypatch.setattr(attention, "JOINT_NOGRAD_MAX_T", 32)
+    monkeypatch.setattr(blocked, "JOINT_NOGRAD_MAX_T", 32)
     q, k, v = random_qkv(B=1, H=2, T=70, D=4)[:3]
     calls = []
-    merged = attention._MergedAttention.apply
-    monkeypatch.setattr(attention._MergedAttention, "apply", lambda *a: calls.append("merged") or merged(*a))
+    merged = blocked._MergedAttention.apply
+    monkeypatch.setattr(blocked._MergedAttention, "apply", lambda *a: calls.append("merged") or merged(*a))
     with torch.no_grad():
         out = sliding_window_attention(q, k, v, 20, kernel="blocked")
         short = sliding_window_attention(q[:, :, :30], k[:, :, :30], v[:, :, :30], 20, kernel="blocked")

@@ -46,7 +46,7 @@ def training_run():
 
 
 def test_the_host_line_names_the_cpu_its_features_and_its_peaks(training_run):
-    from dimattn.precision import BF16_CPU_FLAGS
+    from dimattn.pretraining.precision import BF16_CPU_FLAGS
 
     _, err = training_run
     (host,) = [r for r in err if r.get("name") == "host"]
@@ -57,7 +57,7 @@ def test_the_host_line_names_the_cpu_its_features_and_its_peaks(training_run):
 
 
 def test_every_training_record_carries_the_host_bf16_peak(training_run):
-    from dimattn.precision import resolve_precision
+    from dimattn.pretraining.precision import resolve_precision
 
     out, err = training_run
     (host,) = [r for r in err if r.get("name") == "host"]

@@ -1,5 +1,5 @@
-"""dimattn.capture's host memory: the capture of a scaled-down Llama (random weights, GQA) peaks at
-about one copy of the captured tensors, in memory and while it is saved, within dimattn.resources'
+"""dimattn.dimpo.capture's host memory: the capture of a scaled-down Llama (random weights, GQA) peaks at
+about one copy of the captured tensors, in memory and while it is saved, within dimattn.workflow.resources'
 estimate of it, and its file has the bytes safetensors' own save_file writes of the same tensors."""
 
 import json
@@ -15,10 +15,10 @@ import yaml
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dimattn import resources, sweeps
-from dimattn.affine import _sort_metadata, encode_metadata
-from dimattn.capture import capture_qkv
-from dimattn.projections import save_capture
+from dimattn.workflow import resources, sweeps
+from dimattn.model.affine import _sort_metadata, encode_metadata
+from dimattn.dimpo.capture import capture_qkv
+from dimattn.dimpo.capture_files import save_capture
 
 # Run in a fresh process so that its peak RSS (ru_maxrss) is the capture's, not the test session's.
 MEASURE = textwrap.dedent(
@@ -26,8 +26,8 @@ MEASURE = textwrap.dedent(
     import ctypes, json, resource, sys
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from dimattn.capture import capture_qkv
-    from dimattn.projections import save_capture
+    from dimattn.dimpo.capture import capture_qkv
+    from dimattn.dimpo.capture_files import save_capture
 
     def status(key):  # bytes, from /proc/self/status (VmRSS: now; VmHWM: the peak since the reset)
         with open("/proc/self/status") as f:
@@ -94,7 +94,7 @@ def test_capture_peaks_at_about_one_copy_of_the_captured_tensors(measured):
 
 
 def test_capture_estimate_covers_the_measured_streamed_capture(measured):
-    """dimattn.resources' capture estimate of the same shape and work covers the measured peak."""
+    """dimattn.workflow.resources' capture estimate of the same shape and work covers the measured peak."""
     m = measured
     default = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())
     cluster = sweeps.validate(default)["cluster"]

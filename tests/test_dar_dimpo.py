@@ -8,20 +8,15 @@ import pytest
 import torch
 
 from dimattn import DimAttnConfig, DimAttnForCausalLM
-from dimattn.affine import Affine, DamagedFileError, save_projections
-from dimattn.capture import capture_qkv
-from dimattn.modeling_dimattn import DimAttnCache
-from dimattn.configuration_projected import save_projected_model
-from dimattn.modeling_projected import attach_projections
-from dimattn.projections import (
-    attention_fidelity,
-    build_instances,
-    build_pairs,
-    fit_projections,
-    load_capture,
-    resolve_settings,
-    save_capture,
-)
+from dimattn.model.affine import Affine, DamagedFileError, save_projections
+from dimattn.dimpo.capture import capture_qkv
+from dimattn.model.modeling_dimattn import DimAttnCache
+from dimattn.model.configuration_projected import save_projected_model
+from dimattn.model.modeling_projected import attach_projections
+from dimattn.dimpo.capture_files import load_capture, save_capture
+from dimattn.dimpo.fidelity import attention_fidelity
+from dimattn.dimpo.fit_settings import resolve_settings
+from dimattn.dimpo.projections import build_instances, build_pairs, fit_projections
 
 WINDOW, D_DOWN, HEAD_DIM, T = 3, 8, 8, 12
 LAYOUTS = {
@@ -145,7 +140,7 @@ def test_vanilla_capture_is_unchanged_and_a_far_layer_needs_its_window(tmp_path)
 
     from safetensors.torch import load_file, save_file
 
-    from dimattn.affine import encode_metadata, read_metadata
+    from dimattn.model.affine import encode_metadata, read_metadata
 
     capture = capture_qkv(tiny(), ids())
     save_capture(capture, tmp_path / "d.safetensors")
@@ -297,7 +292,7 @@ def test_projected_dar_directory_loads_with_auto_model(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from dimattn.data import train_tokenizer, write_documents
+    from dimattn.data.corpora import train_tokenizer, write_documents
 
     words = "to be or not that is the question whether tis nobler".split()
     write_documents([{"id": "d0", "text": " ".join(words * 8)}], tmp_path / "docs.jsonl")

@@ -1,4 +1,4 @@
-"""Tests for dimattn.data on tiny inputs built here; offline except the one network test."""
+"""Tests for dimattn.data.corpora on tiny inputs built here; offline except the one network test."""
 
 import io
 import json
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import yaml
 
-from dimattn import data
-from dimattn.data import DataError
+from dimattn.data import corpora as data
+from dimattn.data.corpora import DataError
 
 # The default run's corpus, as config.yaml names it (its one home).
 SHAKESPEARE = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())["datasets"]["shakespeare"]

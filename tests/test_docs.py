@@ -151,7 +151,7 @@ def _backticked(page: Path) -> set[str]:
 def test_every_path_a_page_names_exists(page):
     named = {t.split()[0].rstrip(",:;") for t in _backticked(REPO / page)}
     paths = [t for t in named if t.startswith(TOP) and not re.search(r"[*<>{}]", t)]
-    outputs = ("benchmarks/snakemake",)  # what a run writes (dimattn.paths), not in a checkout
+    outputs = ("benchmarks/snakemake",)  # what a run writes (dimattn.workflow.paths), not in a checkout
     missing = [t for t in paths if not (REPO / t).exists() and not t.startswith(outputs)]
     assert not missing, missing
 

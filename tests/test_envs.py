@@ -31,7 +31,7 @@ PACKAGE = "dimattn"
 # Not from an env: the standard library, and the names every script job has on its path:
 # the repository's own package and workflow_scripts/_workflow.py (_workflow.py puts the
 # repository root on sys.path), and snakemake, whose script preamble puts its own source on
-# sys.path to unpickle the `snakemake` object (dimattn.sweeps imports snakemake.utils).
+# sys.path to unpickle the `snakemake` object (dimattn.workflow.sweeps imports snakemake.utils).
 PROVIDED = {PACKAGE, "_workflow", "snakemake"}
 # Conda packages without a PyPI namesake, by the PyPI name requirements.txt uses.
 CONDA_TO_PYPI = {"pyyaml": "pyyaml", "matplotlib-base": "matplotlib"}
@@ -44,20 +44,20 @@ NOT_PYTHON_PACKAGES = {"python", "pip"}  # the interpreter and the installer of 
 EVERY_RULE = "every rule"
 LAZY = {
     # dimattn/__init__.py imports the model classes (torch, transformers) in its module
-    # __getattr__, for the package attribute DimAttnConfig; workflow code imports dimattn.modeling_dimattn
+    # __getattr__, for the package attribute DimAttnConfig; workflow code imports dimattn.model.modeling_dimattn
     # instead, so the torch-free reporting rules can import dimattn.reporting.
     ("dimattn", "torch"): EVERY_RULE,
     ("dimattn", "transformers"): EVERY_RULE,
     # prepare_hf_corpus alone imports datasets (rule prepare_documents, envs/data.yaml); the rules
-    # in envs/torch.yaml reach dimattn.data for load_tokens and read_documents only.
-    ("dimattn.data", "datasets"): {"pretrain", "perplexity", "recall", "capture_qkv"},
-    # lm_eval_results imports lm-eval in the function (and dimattn.dimpo_scoring's prefetch,
+    # in envs/torch.yaml reach dimattn.data.corpora for load_tokens and read_documents only.
+    ("dimattn.data.corpora", "datasets"): {"pretrain", "perplexity", "recall", "capture_qkv"},
+    # lm_eval_results imports lm-eval in the function (and dimattn.evaluation.projected's prefetch,
     # which only lm-eval rules reach). rule perplexity shares workflow_scripts/score_text.py with
     # score_text but has params.lm_eval=None, so it never calls run_lm_eval; recall reaches
-    # dimattn.evaluation for evaluate_recall alone.
-    ("dimattn.evaluation", "lm-eval"): {"perplexity", "recall"},
+    # dimattn.evaluation.scoring for evaluate_recall alone.
+    ("dimattn.evaluation.scoring", "lm-eval"): {"perplexity", "recall"},
     # the suite's generator (rule generate_recall) never scores: example_score imports lm-eval.
-    ("dimattn.longctx", "lm-eval"): {"generate_recall"},
+    ("dimattn.data.longctx", "lm-eval"): {"generate_recall"},
 }
 
 
@@ -365,14 +365,14 @@ def script_rules() -> list[dict]:
 
 def test_import_scan_sees_the_dynamic_lazy_and_optional_imports():
     """The scan itself: the render script reaches matplotlib through outputs' import_module;
-    download_sdist reaches packaging inside dimattn.data._check_pinned; _workflow.py's torch is
+    download_sdist reaches packaging inside dimattn.data.corpora._check_pinned; _workflow.py's torch is
     optional (every script imports _workflow), dimattn/__init__.py's lazy."""
     render = third_party_imports(REPO / "workflow_scripts" / "render.py")
     assert {"pandas", "matplotlib", "seaborn", "jinja2"} <= set(render)
-    assert ("dimattn.reporting.dar", frozenset({"dimattn.reporting.outputs"})) in render["seaborn"]
-    assert ("dimattn.data", frozenset({"dimattn.data"})) in third_party_imports(REPO / "workflow_scripts" / "download_sdist.py")[
+    assert ("dimattn.reporting.dar_trajectory", frozenset({"dimattn.reporting.outputs"})) in render["seaborn"]
+    assert ("dimattn.data.corpora", frozenset({"dimattn.data.corpora"})) in third_party_imports(REPO / "workflow_scripts" / "download_sdist.py")[
         "packaging"]
-    assert ("dimattn.training", frozenset()) in third_party_imports(REPO / "workflow_scripts" / "pretrain.py")["torch"]
+    assert ("dimattn.pretraining.training", frozenset()) in third_party_imports(REPO / "workflow_scripts" / "pretrain.py")["torch"]
     summarize = third_party_imports(REPO / "workflow_scripts" / "summarize.py")
     assert all("dimattn" in origins for _, origins in summarize["torch"]), summarize["torch"]
 
@@ -449,7 +449,7 @@ def config_tasks() -> dict[str, set[str]]:
 def lm_eval_task_index() -> dict[str, set[Path]]:
     """{task, group or tag name: directories of the YAMLs defining it}, lm-eval's and ours."""
     spec = __import__("importlib.util").util.find_spec("lm_eval")
-    roots = [Path(spec.origin).parent / "tasks", REPO / PACKAGE / "lm_eval_tasks"]
+    roots = [Path(spec.origin).parent / "tasks", REPO / PACKAGE / "evaluation" / "lm_eval_tasks"]
     index = {}
     for root in roots:
         for path in root.rglob("*.yaml"):

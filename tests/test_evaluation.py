@@ -1,4 +1,4 @@
-"""dimattn.evaluation and dimattn.runs: held-out perplexity against a naive loop, the data of
+"""dimattn.evaluation.scoring and dimattn.workflow.runs: held-out perplexity against a naive loop, the data of
 our lm-eval tasks on any corpus, the task YAMLs shipped in the repository, and run metadata."""
 
 import json
@@ -10,10 +10,12 @@ import pytest
 import torch
 import yaml
 
-from dimattn import DimAttnConfig, DimAttnForCausalLM, evaluation
-from dimattn.data import write_documents
-from dimattn.runs import run_metadata
-from dimattn.variants import RUN_FIELDS
+from dimattn import DimAttnConfig, DimAttnForCausalLM
+
+from dimattn.evaluation import scoring as evaluation
+from dimattn.data.corpora import write_documents
+from dimattn.workflow.runs import run_metadata
+from dimattn.model.variants import RUN_FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,7 +91,7 @@ def test_lm_eval_data_files_are_what_the_yamls_read(tmp_path, monkeypatch):
     docs = tmp_path / "test.jsonl"
     write_documents([{"id": "novel", "text": PROSE * 3}], docs)
     monkeypatch.chdir(tmp_path)  # YAML data paths are relative to the workflow directory
-    from dimattn import paths
+    from dimattn.workflow import paths
 
     tasks = (evaluation.HELDOUT_TASK, evaluation.NEXT_LINE_TASK)
     evaluation.write_lm_eval_data(docs, {t: Path(paths.lm_eval_data(t)) for t in tasks}, 2, 5, None, 0)
@@ -129,9 +131,9 @@ def test_perplexity_measures_the_cache_of_one_window():
 def test_perplexity_in_bf16_autocasts_the_forwards_and_stays_near_fp32(monkeypatch):
     """evaluation.precision bf16: the matmuls run in bfloat16 (a Linear's output is bf16), the
     loss reduces in float32 and stays within bf16 rounding of the float32 one."""
-    import dimattn.recall
+    import dimattn.data.recall
 
-    monkeypatch.setattr(dimattn.recall, "cache_bytes_per_token", lambda *a, **k: 0.0)  # its forward is fp32
+    monkeypatch.setattr(dimattn.data.recall, "cache_bytes_per_token", lambda *a, **k: 0.0)  # its forward is fp32
     model = tiny_model()
     tokens = np.random.default_rng(0).integers(0, 50, size=100).astype(np.uint16)
     seen = []
@@ -150,8 +152,8 @@ def test_perplexity_in_bf16_autocasts_the_forwards_and_stays_near_fp32(monkeypat
 def scored_run(tmp_path, monkeypatch):
     """One of our tiny runs with a tokenizer, and our two lm-eval tasks' data, in a working
     directory laid out like the workflow's (the task YAMLs read results/lm_eval_data/)."""
-    from dimattn import paths
-    from dimattn.data import train_tokenizer
+    from dimattn.workflow import paths
+    from dimattn.data.corpora import train_tokenizer
 
     monkeypatch.chdir(tmp_path)
     docs = tmp_path / "test.jsonl"
@@ -209,7 +211,7 @@ def test_a_projected_model_keeps_each_lm_eval_task_as_it_finishes(scored_run, tm
     and the kept results go once the record is written."""
     import lm_eval
 
-    from dimattn.dimpo_scoring import score_projected
+    from dimattn.evaluation.projected import score_projected
 
     real, calls, fail_once = lm_eval.simple_evaluate, [], [evaluation.HELDOUT_TASK]
 
@@ -340,7 +342,7 @@ def test_table4_scores_only_documents_whose_context_reaches_the_window(scored_ru
     tokens, and records how many it kept."""
     from transformers import AutoTokenizer
 
-    from dimattn import paths
+    from dimattn.workflow import paths
 
     tok = AutoTokenizer.from_pretrained(scored_run)
     rows = [json.loads(line) for line in Path(paths.lm_eval_data(evaluation.NEXT_LINE_TASK)).read_text().splitlines()]

@@ -15,8 +15,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "dimattn"
 # The torch-free core: what planning (the DAG) and the reporting stage's inputs import.
-CORE = ["dimattn.sweeps", "dimattn.variants", "dimattn.paths", "dimattn.reference", "dimattn.formats",
-        "dimattn.runs", "dimattn.settings", "dimattn.atomic"]  # fmt: skip
+CORE = ["dimattn.workflow.sweeps", "dimattn.model.variants", "dimattn.workflow.paths", "dimattn.workflow.reference", "dimattn.workflow.formats",
+        "dimattn.workflow.runs", "dimattn.workflow.settings", "dimattn.model.atomic"]  # fmt: skip
 
 
 def module_name(path: Path) -> str:
@@ -88,7 +88,7 @@ def reachable(graph, start: str) -> set[str]:
 
 def test_the_walk_sees_function_level_imports():
     graph = import_graph()
-    assert "dimattn.recall" in graph["dimattn.dimpo_scoring"]  # score_projected imports it in the function
+    assert "dimattn.data.recall" in graph["dimattn.evaluation.projected"]  # score_projected imports it in the function
     assert "dimattn.reporting.dimpo_downstream" in graph["dimattn.reporting.dimpo"]  # _table6_long_context
     assert "dimattn.reporting.paper" in graph["dimattn.reporting.dimpo"]  # from . import paper
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -105,5 +105,5 @@ def test_the_torch_free_core_imports_nothing_from_reporting():
         bad = sorted(m for m in reachable(graph, module) if m.startswith("dimattn.reporting"))
         assert not bad, (module, bad)
     # projections' fidelity CSV columns come from the core, not from the summaries that read them
-    assert "dimattn.formats" in graph["dimattn.projections"]
-    assert not [m for m in graph["dimattn.projections"] if m.startswith("dimattn.reporting")]
+    assert "dimattn.workflow.formats" in graph["dimattn.dimpo.projections"]
+    assert not [m for m in graph["dimattn.dimpo.projections"] if m.startswith("dimattn.reporting")]

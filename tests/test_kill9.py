@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from dimattn import data
-from dimattn.atomic import atomic_dir, atomic_file
+from dimattn.data import corpora as data
+from dimattn.model.atomic import atomic_dir, atomic_file
 from test_workflow import REPO, SNAKEMAKE, workdir
 
 pytestmark = pytest.mark.workflow
@@ -41,13 +41,14 @@ TIMEOUT = 900
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 # The projected model directories' config.json names its base model by absolute path
-# (dimattn.configuration_projected.save_projected_model), so the working directory's path is written
+# (dimattn.model.configuration_projected.save_projected_model), so the working directory's path is written
 # as <workdir> before comparing.
 WORKDIR = b"<workdir>"
 # Checkpoints are not outputs but resume state; after a resume, pickle's memo refers back to a
 # string an uninterrupted run writes out again (equal values, other bytes). The weights and
 # metrics rows they hold are compared byte for byte in the exported model directory.
-NOT_COMPARED = r"results/checkpoints/[^/]+/checkpoint\.pt"
+# a checkpoint's pickle, and the tier's run record (its invocations' times: dimattn.workflow.tiers)
+NOT_COMPARED = r"results/checkpoints/[^/]+/checkpoint\.pt|results/tier\.json"
 
 
 def start(cwd: Path, args: list[str], log: Path) -> subprocess.Popen:
@@ -112,7 +113,7 @@ def digests(root: Path) -> dict[str, str]:
 
 
 def partial_files(root: Path) -> list[str]:
-    """Temporary siblings (dimattn.atomic: .<name>.<hex>.tmp; tempfile folders .<name>.<random>)
+    """Temporary siblings (dimattn.model.atomic: .<name>.<hex>.tmp; tempfile folders .<name>.<random>)
     anywhere a rule writes."""
     found = []
     for top in ("results", "resources"):
@@ -141,9 +142,9 @@ def left_behind(root: Path) -> str:
     return f"left behind: {', '.join(found) or 'nothing'}"
 
 
-def test_readme_documents_the_recovery_command():
-    readme = (REPO / "README.md").read_text()
-    assert "--unlock" in readme and "--rerun-incomplete" in readme
+def test_the_docs_give_the_recovery_command():
+    running = (REPO / "docs/running.md").read_text()
+    assert "--unlock" in running and "--rerun-incomplete" in running
 
 
 def test_kill_9_anywhere_then_rerun_gives_the_same_bytes(request, tmp_path):
@@ -231,7 +232,7 @@ def test_kill_9_anywhere_then_rerun_gives_the_same_bytes(request, tmp_path):
 WRITER = """
 import sys, time
 from pathlib import Path
-from dimattn.atomic import atomic_dir, atomic_file
+from dimattn.model.atomic import atomic_dir, atomic_file
 dest = Path(sys.argv[2])
 with (atomic_file if sys.argv[1] == "file" else atomic_dir)(dest) as tmp:
     (tmp if sys.argv[1] == "file" else tmp / "part").write_text("half")

@@ -1,4 +1,4 @@
-"""SnapKV and KIVI (dimattn.kv_compression) against naive references written from the methods'
+"""SnapKV and KIVI (dimattn.model.kv_compression) against naive references written from the methods'
 definitions: per-(batch, head, query, key) loops for SnapKV's scores, per-group loops for KIVI's
 quantiser, and KIVI's own prefill/decode case analysis (llama_kivi.py) replayed step by step."""
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dimattn.kv_compression import (
+from dimattn.model.kv_compression import (
     KIVILayer,
     KIVISettings,
     SnapKVSettings,

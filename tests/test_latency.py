@@ -1,4 +1,4 @@
-"""dimattn.latency (seed 003, Appendix H): the settings it times, and what it reports beside the
+"""dimattn.evaluation.latency (seed 003, Appendix H): the settings it times, and what it reports beside the
 times (cache bytes, ratios), on a random tiny Llama with GQA; the summary and table of the
 workflow's latency rows. Times themselves are never asserted (noisy machines): only their form."""
 
@@ -10,8 +10,8 @@ import torch
 from reporting_fixtures import REFERENCE, summary_path, table_line
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dimattn.affine import Affine
-from dimattn.latency import measure
+from dimattn.model.affine import Affine
+from dimattn.evaluation.latency import measure
 from dimattn.reporting import outputs, summaries
 
 D, D_PRIME, PROMPT, NEW = 16, 4, 40, 3
@@ -78,8 +78,8 @@ def test_latency_to_file_measures_a_run_directory_with_its_fitted_projections(tm
     """The workflow's latency job: one of our run directories (remote code, ours) and a fitted
     projections file, the rows written as JSON with the model's name and d'."""
     from dimattn import DimAttnConfig, DimAttnForCausalLM
-    from dimattn.affine import save_projections
-    from dimattn.latency import latency_to_file
+    from dimattn.model.affine import save_projections
+    from dimattn.evaluation.latency import latency_to_file
 
     torch.manual_seed(0)
     run = DimAttnForCausalLM(DimAttnConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,

@@ -1,4 +1,4 @@
-"""dimattn.longctx, the RULER-style suite: hand-written examples per subtask, every generated
+"""dimattn.data.longctx, the RULER-style suite: hand-written examples per subtask, every generated
 answer recovered from its context by a naive solver written from the subtask's definition, the
 refusals, the corpus files, greedy generation through the cache, and lm-eval's metric on
 hand-made predictions."""
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from dimattn.data import DataError, load_loss_mask, load_tokens
-from dimattn.longctx import SUBTASKS, LongContextSettings, find_answers, generate_examples, score_predictions
-from dimattn.longctx import needle_depths, needle_scores, score_suite, vocabulary, write_longctx_corpus
+from dimattn.data.corpora import DataError, load_loss_mask, load_tokens
+from dimattn.data.longctx import SUBTASKS, LongContextSettings, find_answers, generate_examples, score_predictions
+from dimattn.data.longctx import needle_depths, needle_scores, score_suite, vocabulary, write_longctx_corpus
 
 SMALL = dict(n_keys=12, n_values=12, n_words=16, n_train=16, n_validation=16, n_test=16)
 
@@ -180,8 +180,8 @@ def test_the_drill_asks_each_pair_at_its_key_and_only_the_train_split_holds_it(t
         find_answers(np.asarray(load_tokens(tmp_path / f"suite/tokens/{split}.bin")[0]).reshape(16, 64), meta["longctx"])
     # without the drill, the train split is the suite's examples as generate_examples draws them
     plain = LongContextSettings(**{**SMALL, **KEY_ASKED, "seq_len": 64, "n_train": 40})
-    from dimattn.longctx import generate_split
-    from dimattn.recall import split_rng
+    from dimattn.data.longctx import generate_split
+    from dimattn.data.recall import split_rng
 
     x0, m0 = generate_split(plain, "train", 40, split_rng(0, "train"))
     assert np.array_equal(x0, generate_examples(plain, 40, split_rng(0, "train"))) and m0.sum() > 0
@@ -292,7 +292,7 @@ def test_the_corpus_files_follow_the_recall_corpus(tmp_path):
 
 def test_greedy_generation_through_the_cache_is_naive_greedy(tmp_path):
     from dimattn import DimAttnConfig, DimAttnForCausalLM
-    from dimattn.longctx import generate_answers
+    from dimattn.data.longctx import generate_answers
 
     s = LongContextSettings(**SMALL, seq_len=48, subtasks=("niah_multivalue", "vt", "cwe"))
     x = generate_examples(s, 6, np.random.default_rng(0))
@@ -315,7 +315,7 @@ def test_greedy_generation_through_the_cache_is_naive_greedy(tmp_path):
     assert all(v["n"] == 16 // 3 + (i < 16 % 3) for i, v in enumerate(result["subtasks"].values()))
 
     # the workflow's steps: the JSON of a saved run, then the tidy summary
-    from dimattn.evaluation import evaluate_longctx
+    from dimattn.evaluation.scoring import evaluate_longctx
     from dimattn.reporting.summaries import summarize_longctx
 
     model.config.register_for_auto_class()
@@ -354,8 +354,8 @@ def test_an_unanswerable_corpus_is_refused_at_planning_naming_its_key():
 
     import yaml
 
-    from dimattn import sweeps
-    from dimattn.longctx import check_datasets
+    from dimattn.workflow import sweeps
+    from dimattn.data.longctx import check_datasets
 
     config = yaml.safe_load(open(sweeps.SCHEMA.parents[1] / "config.yaml"))
     config["datasets"]["suite"] = {"source": "synthetic_longctx", "seq_len": 64, "needle_depth": 1.5}
@@ -377,10 +377,10 @@ def test_score_projected_scores_the_suite_through_a_projected_directory(tmp_path
     from transformers import AutoTokenizer
 
     from dimattn import DimAttnConfig, DimAttnForCausalLM
-    from dimattn.affine import Affine, save_projections
-    from dimattn.configuration_projected import save_projected_model
-    from dimattn.dimpo_scoring import score_projected
-    from dimattn.evaluation import load_model
+    from dimattn.model.affine import Affine, save_projections
+    from dimattn.model.configuration_projected import save_projected_model
+    from dimattn.evaluation.projected import score_projected
+    from dimattn.evaluation.scoring import load_model
     from dimattn.reporting.summaries import summarize_downstream
 
     suites = {}

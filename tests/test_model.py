@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from dimattn import DimAttnConfig, DimAttnForCausalLM
-from dimattn import modeling_dimattn as modeling
-from dimattn.modeling_dimattn import (
+from dimattn.model import modeling_dimattn as modeling
+from dimattn.model.modeling_dimattn import (
     DimAttnCache,
     Rope,
     RotaryEmbedding,
@@ -193,8 +193,12 @@ def test_save_and_load_in_fresh_process(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["auto_map"]
     x = torch.randint(0, 97, (1, 12))
     expected = model(x).logits[0, -1].tolist()
+    # dimattn/model/ is self-contained: its modules, and only they, travel with the checkpoint
+    copied = sorted(p.name for p in tmp_path.glob("*.py"))
+    assert copied == ["attention.py", "blocked.py", "configuration_dimattn.py", "modeling_dimattn.py", "variants.py"]
     code = (
         "import sys, json, torch\n"
+        "sys.modules['dimattn'] = None  # a process that cannot import dimattn\n"
         "from transformers import AutoModelForCausalLM\n"
         f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()\n"
         f"print(json.dumps(m(torch.tensor({x.tolist()})).logits[0, -1].tolist()))\n"

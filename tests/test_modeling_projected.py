@@ -1,4 +1,4 @@
-"""dimattn.modeling_projected: projections applied to the last l layers of Llama, Qwen2, Qwen3 and
+"""dimattn.model.modeling_projected: projections applied to the last l layers of Llama, Qwen2, Qwen3 and
 our own models, against a naive reference written from seed 003's equation; the KV cache holding
 F(k); and the projected model directory that AutoModelForCausalLM (and lm-eval) loads."""
 
@@ -20,9 +20,9 @@ from transformers import (
 from transformers.modeling_utils import AttentionInterface
 
 from dimattn import DimAttnConfig, DimAttnForCausalLM
-from dimattn.affine import Affine, save_projections
-from dimattn.configuration_projected import save_projected_model
-from dimattn.modeling_projected import (
+from dimattn.model.affine import Affine, save_projections
+from dimattn.model.configuration_projected import save_projected_model
+from dimattn.model.modeling_projected import (
     ProjectedCache,
     attach_projections,
     attention_modules,
@@ -187,7 +187,7 @@ def test_attach_errors_name_the_problem():
 def directories(tmp_path_factory):
     """A tiny Llama (a hub-style directory) and one of our runs, each with a tokenizer and a
     projections file, and a projected model directory of each."""
-    from dimattn.data import train_tokenizer, write_documents
+    from dimattn.data.corpora import train_tokenizer, write_documents
 
     root = tmp_path_factory.mktemp("projected")
     words = "to be or not that is the question whether tis nobler in the mind to suffer".split()
@@ -211,7 +211,7 @@ def directories(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["llama", "ours"])
 def test_projected_directory_loads_with_auto_model(directories, name):
-    from dimattn.affine import load_projections
+    from dimattn.model.affine import load_projections
 
     base_dir, projections_path, projected = directories[name]
     assert {"config.json", "projections.safetensors", "modeling_projected.py", "configuration_projected.py",
@@ -234,9 +234,9 @@ def test_writing_a_projected_directory_needs_no_modeling_stack(directories, tmp_
     import sys
 
     base_dir, projections_path, _ = directories["llama"]
-    code = ("import sys; from dimattn.configuration_projected import save_projected_model; "
+    code = ("import sys; from dimattn.model.configuration_projected import save_projected_model; "
             f"save_projected_model({str(tmp_path / 'p')!r}, {str(base_dir)!r}, {str(projections_path)!r}, 2); "
-            "heavy = [m for m in ('transformers.modeling_utils', 'dimattn.modeling_projected') if m in sys.modules]; "
+            "heavy = [m for m in ('transformers.modeling_utils', 'dimattn.model.modeling_projected') if m in sys.modules]; "
             "assert not heavy, heavy")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
     assert (tmp_path / "p" / "modeling_projected.py").is_file()
@@ -259,8 +259,8 @@ def greedy(model, prompt, steps=6):
 
 
 def test_kivi_cache_quantises_projected_keys(monkeypatch):
-    from dimattn import kv_compression
-    from dimattn.kv_compression import KIVILayer, KIVISettings
+    from dimattn.model import kv_compression
+    from dimattn.model.kv_compression import KIVILayer, KIVISettings
 
     prompt = ids(n=1, t=20)
     model = build("llama")
@@ -303,8 +303,8 @@ def test_kivi_cache_quantises_projected_keys(monkeypatch):
 
 
 def test_snapkv_keeps_its_budget_after_the_prefill(monkeypatch):
-    from dimattn import modeling_projected
-    from dimattn.kv_compression import snapkv_indices
+    from dimattn.model import modeling_projected
+    from dimattn.model.kv_compression import snapkv_indices
 
     prompt = ids(n=1, t=24)
     model = build("llama")
@@ -340,7 +340,7 @@ def test_snapkv_keeps_its_budget_after_the_prefill(monkeypatch):
 def test_lm_eval_cli_scores_a_projected_tiny_llama_on_our_task_and_ruler(tmp_path):
     """A projected directory of a random tiny Llama with GQA, through lm-eval's own CLI (`--model
     hf`): our next-line task, and RULER's niah_single_1 (it generates its data, no download) at
-    2048 tokens, the shortest length we allow (dimattn.sweeps.RULER_MIN_LENGTH)."""
+    2048 tokens, the shortest length we allow (dimattn.workflow.vocabulary.RULER_MIN_LENGTH)."""
     import json
     import os
     import subprocess
@@ -350,8 +350,8 @@ def test_lm_eval_cli_scores_a_projected_tiny_llama_on_our_task_and_ruler(tmp_pat
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from dimattn import paths
-    from dimattn.evaluation import write_lm_eval_data
+    from dimattn.workflow import paths
+    from dimattn.evaluation.scoring import write_lm_eval_data
 
     base = tmp_path / "llama"
     words = ("the a of and to in is was he she it they on for with as at by from this that grass sky sun "
@@ -384,7 +384,7 @@ def test_lm_eval_cli_scores_a_projected_tiny_llama_on_our_task_and_ruler(tmp_pat
     # 10 s of CPU); the chat template (the text and a newline) and RULER's metadata reach our task too.
     out = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "hf", "--model_args",
                           f"pretrained={projected},trust_remote_code=True", "--tasks", "dimattn_next_line,niah_single_1",
-                          "--include_path", str(Path(__file__).parents[1] / "dimattn/lm_eval_tasks"), "--limit", "2",
+                          "--include_path", str(Path(__file__).parents[1] / "dimattn/evaluation/lm_eval_tasks"), "--limit", "2",
                           "--batch_size", "1", "--apply_chat_template", "--metadata",
                           json.dumps({"max_seq_lengths": [2048]}), "--output_path", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path,

@@ -1,4 +1,4 @@
-"""Losses of dimattn.objectives against loops written straight from seed 003's equations and the
+"""Losses of dimattn.dimpo.objectives against loops written straight from seed 003's equations and the
 constants of the authors' code: values and gradients, on small float64 batches."""
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from dimattn import objectives
-from dimattn.objectives import (
+from dimattn.dimpo import objectives
+from dimattn.dimpo.objectives import (
     OBJECTIVES,
     cpo_loss,
     dimpo_kl_loss,
@@ -419,7 +419,7 @@ def test_objective_call_reads_hparams_then_defaults():
 
 @pytest.mark.parametrize("name", [o.name for o in OBJECTIVES.values() if o.trained])
 def test_per_row_losses_average_to_the_loss(name):
-    """reduce=False (a lockstep fit's per-layer means, dimattn.projections.fit_layers): one loss a
+    """reduce=False (a lockstep fit's per-layer means, dimattn.dimpo.projections.fit_layers): one loss a
     row, whose mean is the loss and whose gradient is the loss's, for every trained objective."""
     obj = get_objective(name)
     g = torch.Generator().manual_seed(1)

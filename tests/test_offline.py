@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub.utils import filter_repo_objects
 
-from dimattn import resources
-from dimattn.dimpo_scoring import HUB_MODEL_FILES, HUB_MODEL_SKIP
+from dimattn.workflow import resources
+from dimattn.evaluation.projected import HUB_MODEL_FILES, HUB_MODEL_SKIP
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,7 +132,7 @@ def test_the_prefetched_files_are_enough_for_from_pretrained(tmp_path):
     assert again.chat_template == tokenizer.chat_template
 
 
-# ---- RULER QA from the prefetched files (dimattn/lm_eval_tasks/ruler_qa.py) ---------------------
+# ---- RULER QA from the prefetched files (dimattn/evaluation/lm_eval_tasks/ruler_qa.py) ---------------------
 
 LM_EVAL_RULER = Path(__import__("lm_eval").__file__).parent / "tasks" / "ruler"
 
@@ -141,7 +141,7 @@ LM_EVAL_RULER = Path(__import__("lm_eval").__file__).parent / "tasks" / "ruler"
 def test_the_ruler_qa_overrides_are_lm_eval_s_tasks_but_for_the_dataset_reader(ours, theirs):
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    from dimattn.evaluation import TASKS_DIR
+    from dimattn.evaluation.scoring import TASKS_DIR
 
     mine = load_yaml(TASKS_DIR / f"{ours}.yaml", resolve_func=False)
     lm_eval_s = load_yaml(LM_EVAL_RULER / f"{theirs}.yaml", resolve_func=False)
@@ -177,7 +177,7 @@ def test_ruler_qa_reads_what_prefetch_saved_and_never_the_network(tmp_path, monk
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from dimattn.lm_eval_tasks import ruler_qa
+    from dimattn.evaluation.lm_eval_tasks import ruler_qa
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(FileNotFoundError, match="run the prefetch rule"):

@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dimattn import precision
-from dimattn.precision import autocast, bf16_supported, resolve_precision
+from dimattn.pretraining import precision
+from dimattn.pretraining.precision import autocast, bf16_supported, resolve_precision
 
 
 @pytest.mark.parametrize("flags,native", [

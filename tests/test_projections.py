@@ -1,4 +1,4 @@
-"""Capture, settings, instances, fitting and attention fidelity of the DimPO stage (dimattn.projections)."""
+"""Capture, settings, instances, fitting and attention fidelity of the DimPO stage (dimattn.dimpo.projections)."""
 
 import inspect
 import math
@@ -11,24 +11,21 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dimattn import DimAttnConfig, DimAttnForCausalLM
-from dimattn.affine import Affine, load_projections, projected_logits, save_projections
-from dimattn.capture import capture_qkv
-from dimattn.objectives import OBJECTIVES, kl_loss, pca_projection, random_projection
-from dimattn.projections import (
-    PRESETS,
-    FitSettings,
-    attention_fidelity,
+from dimattn.model.affine import Affine, load_projections, projected_logits, save_projections
+from dimattn.dimpo.capture import capture_qkv
+from dimattn.dimpo.objectives import OBJECTIVES, kl_loss, pca_projection, random_projection
+from dimattn.dimpo.capture_files import load_capture, save_capture
+from dimattn.dimpo.fidelity import attention_fidelity
+from dimattn.dimpo.fit_settings import PRESETS, FitSettings, resolve_settings
+from dimattn.dimpo.projections import (
     build_instances,
     build_pairs,
     fit_layer,
     fit_layers,
     fit_projections,
     initial_projection,
-    load_capture,
     objective_loss,
     pca_data,
-    resolve_settings,
-    save_capture,
 )
 
 
@@ -215,7 +212,7 @@ def naive_top_k(share, n_keys):
 
 @pytest.mark.parametrize("n_keys", [2, 3, 48, 64, 100, 256, 4096])
 def test_k_share_resolves_to_the_nearest_k_of_the_key_list(n_keys):
-    from dimattn.settings import resolve_top_k
+    from dimattn.workflow.settings import resolve_top_k
 
     for share in (1 / 128, 1 / 64, 0.01, 1 / 32, 0.1, 0.25, 0.5, 0.7, 0.99):
         assert resolve_top_k(64, share, n_keys) == naive_top_k(share, n_keys), share
@@ -235,7 +232,7 @@ def test_k_share_follows_the_merge_order_and_a_later_k_clears_it():
 
 
 def test_a_head_term_over_every_key_is_refused_at_its_boundary(capture):
-    from dimattn.projections import with_top_k
+    from dimattn.dimpo.fit_settings import with_top_k
 
     n_keys = capture[0]["k"].shape[2]  # 48
     fast = {**FAST, "steps": 2}
@@ -560,9 +557,9 @@ def test_capture_selected_layers_and_fit_on_it():
 
 
 def test_file_steps_end_to_end(tmp_path):
-    from dimattn.data import train_tokenizer, write_documents
-    from dimattn.capture import capture_to_file
-    from dimattn.projections import fidelity_to_file, fit_to_file
+    from dimattn.data.corpora import train_tokenizer, write_documents
+    from dimattn.dimpo.capture import capture_to_file
+    from dimattn.dimpo.projections import fidelity_to_file, fit_to_file
 
     words = "to be or not that is the question whether tis nobler in mind suffer".split()
     g = torch.Generator().manual_seed(0)
@@ -674,7 +671,7 @@ def test_lockstep_fit_skips_a_layers_non_finite_step_alone():
 def test_fit_projections_groups_layers_within_the_lockstep_budget(monkeypatch):
     """fit_projections fits as many layers together as FIT_LOCKSTEP_BYTES holds: the same maps
     with every layer in one group as with one layer a group."""
-    from dimattn import resources
+    from dimattn.workflow import resources
 
     capture = two_layer_capture()
     hp = {**FAST, "steps": 8}
@@ -693,7 +690,7 @@ def test_fit_benchmark_compares_lockstep_with_one_layer_at_a_time(tmp_path, caps
     import json
     from pathlib import Path
 
-    from dimattn import resources
+    from dimattn.workflow import resources
 
     spec = importlib.util.spec_from_file_location("bench_fit", Path(__file__).parents[1] / "benchmarks" / "fit.py")
     bench = importlib.util.module_from_spec(spec)
@@ -714,7 +711,7 @@ def test_fit_seeds_to_files_fits_each_seed_as_its_own_job_did_and_a_retry_refits
     """fit_projection's job fits every dimpo.seeds seed in one process: each seed's files are those
     fit_to_file and fidelity_to_file write for that seed alone. A seed kept from a failed attempt
     is copied, not refitted; one kept under other hparams or captures is refitted."""
-    from dimattn import projections as P
+    from dimattn.dimpo import projections as P
 
     save_capture(capture, tmp_path / "fit.safetensors", {"model": "synthetic"})
     save_capture(capture, tmp_path / "eval.safetensors", {"model": "synthetic"})

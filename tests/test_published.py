@@ -1,4 +1,4 @@
-"""Tiers never mix (dimattn.tiers), a summary is read only whole (summaries.csv_rows), and a
+"""Tiers never mix (dimattn.workflow.tiers), a summary is read only whole (summaries.csv_rows), and a
 published tier renders only as its manifest lists it (dimattn.reporting.published)."""
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from reporting_fixtures import REFERENCE, write_full_summaries
 
-from dimattn import paths, tiers
+from dimattn.workflow import paths, tiers
 from dimattn.reporting import outputs, published, summaries
 
 REPO = Path(__file__).resolve().parents[1]

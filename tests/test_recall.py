@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dimattn.data import DataError, load_loss_mask, load_tokens
-from dimattn.recall import (
+from dimattn.data.corpora import DataError, load_loss_mask, load_tokens
+from dimattn.data.recall import (
     RecallSettings,
     find_queries,
     generate_examples,
@@ -18,7 +18,7 @@ from dimattn.recall import (
     split_rng,
     write_recall_corpus,
 )
-from dimattn.training import evaluate_loss, labels_for
+from dimattn.pretraining.training import evaluate_loss, labels_for
 
 SMALL = dict(seq_len=48, n_pairs=4, n_keys=8, n_values=8, n_filler=4, min_query_pos=24, n_train=64,
              n_validation=16, n_test=16)
@@ -200,14 +200,14 @@ def test_load_tokens_reads_the_split_and_refuses_a_truncated_bin(tmp_path):
 def test_tokenizer_round_trip_and_special_ids(tmp_path):
     from transformers import AutoTokenizer
 
-    from dimattn.data import SPECIAL_TOKENS
-    from dimattn.recall import vocabulary
+    from dimattn.data.corpora import SPECIAL_TOKENS
+    from dimattn.data.recall import vocabulary
 
     s = RecallSettings(**SMALL)
     write_recall_corpus(s, tmp_path / "r")
     tok = AutoTokenizer.from_pretrained(tmp_path / "r/tokenizer")
     assert len(tok) == s.vocab_size == len(vocabulary(s))
-    # the special tokens of dimattn.data, at the same ids
+    # the special tokens of dimattn.data.corpora, at the same ids
     assert [tok.convert_ids_to_tokens(i) for i in range(3)] == SPECIAL_TOKENS
     assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (0, 1, 2)
     x = np.asarray(load_tokens(tmp_path / "r/tokens/train.bin")[0][: s.seq_len]).tolist()
@@ -233,7 +233,7 @@ def test_id_ranges_are_disjoint():
 
 @pytest.mark.parametrize("sorted_keys", [False, True])
 def test_marker_queries_are_scored_at_the_marker(sorted_keys):
-    from dimattn.recall import QUERY_ID
+    from dimattn.data.recall import QUERY_ID
 
     s = RecallSettings(**SMALL, query_marker=True, sorted_keys=sorted_keys)
     x = generate_examples(s, 100, split_rng(0, "test"))
@@ -286,9 +286,9 @@ class Constant(torch.nn.Module):
 
 
 def test_evaluate_recall_writes_the_summary(tmp_path, monkeypatch):
-    import dimattn.evaluation
-    from dimattn.evaluation import evaluate_recall
-    from dimattn.recall import load_examples
+    import dimattn.evaluation.scoring
+    from dimattn.evaluation.scoring import evaluate_recall
+    from dimattn.data.recall import load_examples
 
     s = RecallSettings(**SMALL)
     write_recall_corpus(s, tmp_path / "r")
@@ -315,7 +315,7 @@ def test_evaluate_recall_writes_the_summary(tmp_path, monkeypatch):
         model.config = types.SimpleNamespace(vocab_size=s.vocab_size)  # what evaluate_recall checks
         return lambda d, device="cpu": model
 
-    monkeypatch.setattr(dimattn.evaluation, "load_model", stand_in(Oracle(s.vocab_size)))
+    monkeypatch.setattr(dimattn.evaluation.scoring, "load_model", stand_in(Oracle(s.vocab_size)))
     perfect = evaluate_recall(model_dir, test_bin, tmp_path / "oracle.json", batch_size=3,
                               distance_bins=[s.min_distance, 20, s.max_distance + 1])
     assert perfect["accuracy"] == 1.0 and [b["accuracy"] for b in perfect["by_distance"]] == [1.0, 1.0]
@@ -323,13 +323,13 @@ def test_evaluate_recall_writes_the_summary(tmp_path, monkeypatch):
     examples, meta = load_examples(test_bin)
     targets = find_queries(examples, meta["recall"])[:, 3]
     v = int(np.bincount(targets).argmax())
-    monkeypatch.setattr(dimattn.evaluation, "load_model", stand_in(Constant(s.vocab_size, v)))
+    monkeypatch.setattr(dimattn.evaluation.scoring, "load_model", stand_in(Constant(s.vocab_size, v)))
     const = evaluate_recall(model_dir, test_bin, tmp_path / "const.json", batch_size=4)
     assert const["accuracy"] == pytest.approx((targets == v).mean()) and const["accuracy"] < 1
 
 
 def test_evaluate_recall_refuses_a_corpus_that_breaks_the_layout(tmp_path):
-    from dimattn.evaluation import evaluate_recall
+    from dimattn.evaluation.scoring import evaluate_recall
 
     s = RecallSettings(**SMALL)
     write_recall_corpus(s, tmp_path / "r")
@@ -357,7 +357,7 @@ def _probe_model(vocab_size, layers=1, heads=1, seed=0):
 
 
 def _probe_data(n=6):
-    from dimattn.recall import find_queries, generate_examples
+    from dimattn.data.recall import find_queries, generate_examples
 
     s = RecallSettings(**SMALL)
     examples = generate_examples(s, n, np.random.default_rng(0))
@@ -365,9 +365,9 @@ def _probe_data(n=6):
 
 
 def test_the_probe_through_the_cache_equals_one_forward_without_compression():
-    from dimattn.affine import Affine
-    from dimattn.modeling_projected import attach_projections
-    from dimattn.recall import predict_at_queries, predict_through_cache
+    from dimattn.model.affine import Affine
+    from dimattn.model.modeling_projected import attach_projections
+    from dimattn.data.recall import predict_at_queries, predict_through_cache
 
     s, examples, queries = _probe_data()
     model = _probe_model(s.vocab_size, layers=2, heads=2)
@@ -387,9 +387,9 @@ def test_the_probe_through_an_evicting_cache_matches_a_naive_replay(monkeypatch)
     """One layer and one head: after SnapKV evicts, each decoded token sees the kept prompt tokens
     and the decoded ones at their own positions; a forward of exactly those tokens (keys of a
     one-layer model depend on token and position only) gives the same prediction."""
-    from dimattn import modeling_projected
-    from dimattn.modeling_projected import attach_projections
-    from dimattn.recall import predict_through_cache
+    from dimattn.model import modeling_projected
+    from dimattn.model.modeling_projected import attach_projections
+    from dimattn.data.recall import predict_through_cache
 
     s, examples, queries = _probe_data(n=3)
     model = _probe_model(s.vocab_size)
@@ -398,7 +398,7 @@ def test_the_probe_through_an_evicting_cache_matches_a_naive_replay(monkeypatch)
     compress = modeling_projected.snapkv_compress
 
     def spy(queries_, keys, values, settings, scale):
-        from dimattn.kv_compression import snapkv_indices
+        from dimattn.model.kv_compression import snapkv_indices
 
         kept.append(snapkv_indices(queries_, keys, settings, scale)[:, 0])  # (B, budget): one KV head
         return compress(queries_, keys, values, settings, scale)
@@ -422,9 +422,9 @@ def test_the_probe_through_an_evicting_cache_matches_a_naive_replay(monkeypatch)
 
 
 def test_a_recall_corpus_is_captured_in_whole_examples(tmp_path):
-    from dimattn.capture import token_windows
-    from dimattn.data import DataError
-    from dimattn.recall import load_examples
+    from dimattn.dimpo.capture import token_windows
+    from dimattn.data.corpora import DataError
+    from dimattn.data.recall import load_examples
 
     s = RecallSettings(**SMALL)
     write_recall_corpus(s, tmp_path / "r")
@@ -441,11 +441,11 @@ def test_score_projected_runs_the_probe_through_a_projected_directory(tmp_path):
     """The workflow's score_projected on a projected recall model (l = 1, SnapKV): the probe's
     record, as the prediction through the directory's own cache gives it."""
     from dimattn import DimAttnConfig, DimAttnForCausalLM
-    from dimattn.affine import Affine, save_projections
-    from dimattn.dimpo_scoring import score_projected
-    from dimattn.evaluation import load_model
-    from dimattn.configuration_projected import save_projected_model
-    from dimattn.recall import find_queries, load_examples, predict_through_cache
+    from dimattn.model.affine import Affine, save_projections
+    from dimattn.evaluation.projected import score_projected
+    from dimattn.evaluation.scoring import load_model
+    from dimattn.model.configuration_projected import save_projected_model
+    from dimattn.data.recall import find_queries, load_examples, predict_through_cache
 
     s = RecallSettings(**SMALL)
     write_recall_corpus(s, tmp_path / "r")

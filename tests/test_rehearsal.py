@@ -1,9 +1,9 @@
 """The dress rehearsal (configs/rehearsal.yaml over configs/paper.yaml): the paper's DAG, every
-rule and every table and figure, at a size two CPUs run, against a local Hub (dimattn.tiny_hub,
-served by dimattn.hub_server) that only the login-node rules may reach.
+rule and every table and figure, at a size two CPUs run, against a local Hub (dimattn.testing.tiny_hub,
+served by dimattn.testing.hub_server) that only the login-node rules may reach.
 
 The environment is a user's: online, HF_ENDPOINT at the local Hub, a fresh HF_HOME. The workflow
-puts every compute job offline (dimattn.resources.go_offline); the Hub logs the command line of
+puts every compute job offline (dimattn.workflow.resources.go_offline); the Hub logs the command line of
 each process that asks it something, so the test sees that only the download rules' scripts did.
 
 Phases: (1) the local executor makes the token files and the prefetch; (2) one job of each
@@ -39,7 +39,7 @@ from slurm_cluster import PROFILES, SUBMITTED, cluster, rule_of, states  # noqa:
 from test_workflow import REPO, SNAKEMAKE, workdir  # noqa: E402
 
 sys.path.insert(0, str(REPO))
-from dimattn import paths, resources, sweeps  # noqa: E402  (no torch)
+from dimattn.workflow import paths, resources, sweeps  # noqa: E402  (no torch)
 from dimattn.reporting import outputs  # noqa: E402
 
 pytestmark = pytest.mark.workflow
@@ -113,7 +113,7 @@ def test_the_rehearsal_has_every_rule_of_the_paper_dag():
 def hub(tmp_path_factory):
     if os.environ.get("DIMATTN_REHEARSAL") != "1":
         pytest.skip("the rehearsal: make rehearsal, or DIMATTN_REHEARSAL=1 (about 9 min on 2 cores)")
-    from dimattn import hub_server, tiny_hub
+    from dimattn.testing import hub_server, tiny_hub
 
     root = tiny_hub.build(tmp_path_factory.mktemp("hub"))
     log = root.parent / "requests.jsonl"

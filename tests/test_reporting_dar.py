@@ -20,7 +20,7 @@ from reporting_fixtures import (
     write_summaries,
 )
 
-from dimattn.reporting import dar, outputs, summaries
+from dimattn.reporting import dar_trajectory, outputs, summaries
 
 DAR = [name for name, out in outputs.OUTPUTS.items() if out.category == "DAR"]
 
@@ -203,6 +203,6 @@ def test_table4_relative_to_no_bottleneck(full):
 def test_trajectory_keeps_table1_runs_only(full):
     _, summary, _ = full
     traj = summaries.read(summary_path(summary, "dar_trajectory"), "dar_trajectory")
-    kept = set(dar.trajectory_runs(traj)["run"])
+    kept = set(dar_trajectory.trajectory_runs(traj)["run"])
     assert "tiny-dar-w32-d64" in kept and "tiny-uniform-d16" in kept and "recall-dar-w16-d2" in kept
     assert not kept & {"tiny-dar-w0-d32", "tiny-swa-w32", "tiny-dar-w32-d32-sigmoid", "recall-dar-w0-d8"}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from dimattn import variants
+from dimattn.model import variants
 from dimattn.reporting import frontier, summaries
 
 TEXT_RUNS = {  # run -> (model fields, ppl at seed 0 and 1, cache bytes per token)

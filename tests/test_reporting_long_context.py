@@ -6,7 +6,7 @@ import pytest
 from reporting_fixtures import REFERENCE, summary_path, table_line, write_long_context_jsons
 
 from dimattn.reporting import dimpo_downstream, outputs, summaries
-from dimattn.sweeps import RULER_TASKS
+from dimattn.workflow.sweeps import RULER_TASKS
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory):

@@ -23,7 +23,7 @@ from reporting_fixtures import (
     write_summaries,
 )
 
-from dimattn import variants
+from dimattn.model import variants
 from dimattn.reporting import outputs, selection, summaries
 from dimattn.reporting.selection import NoRuns
 
@@ -32,7 +32,7 @@ TEXT_OUTPUTS = {"tables/dar_perplexity.tex", "figures/dar_perplexity.png", "figu
 
 
 def run(attention, hidden_size=64, synthetic=False, **keys):
-    """A planned run as dimattn.sweeps.Run.fields gives it."""
+    """A planned run as dimattn.workflow.sweeps.Run.fields gives it."""
     model = {"attention": attention, "hidden_size": hidden_size, **keys}
     scale = "recall" if synthetic else "tiny"
     return variants.run_fields(variants.run_name(scale, model), model) | {

@@ -1,4 +1,4 @@
-"""dimattn.resources: each job's memory and runtime from its work, retries that grow both up to the
+"""dimattn.workflow.resources: each job's memory and runtime from its work, retries that grow both up to the
 node, a first attempt beyond the node refused at planning naming the key, the estimates against
 measured runs, and the SLURM profile's CPUs following the rules' threads."""
 
@@ -13,7 +13,7 @@ import pytest
 import yaml
 from snakemake.utils import update_config
 
-from dimattn import paths, resources, sweeps
+from dimattn.workflow import paths, resources, sweeps
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [str(Path(sys.executable).parent / "snakemake"), "--snakefile", str(REPO / "Snakefile")]
@@ -182,7 +182,7 @@ def test_scoring_asks_follow_the_tasks_each_width_scores():
     cluster, down = p.config["cluster"], p.downstream
 
     def ask(d_prime, device="cuda", tasks=None):
-        from dimattn.settings import downstream_tasks
+        from dimattn.workflow.settings import downstream_tasks
 
         tasks = downstream_tasks(down["tasks"], d_prime) if tasks is None else tasks
         return resources.score(LLAMA_8B_SHAPE, 0, tasks, 8, None, [4096, 8192], FLOORS, device, cluster)

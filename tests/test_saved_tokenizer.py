@@ -1,4 +1,4 @@
-"""A saved run's tokenizer (dimattn.training._export through dimattn.data.save_tokenizer): its
+"""A saved run's tokenizer (dimattn.pretraining.training._export through dimattn.data.corpora.save_tokenizer): its
 tokenizer_config.json holds no flag of the run that loaded and saved it, the directory still
 loads with trust_remote_code, and with a terminal attached its tokenizer loads with no question
 and no warning the two ways the README gives; a plain AutoTokenizer.from_pretrained(dir) still
@@ -16,9 +16,9 @@ import torch
 from transformers import AutoTokenizer
 
 from dimattn import DimAttnConfig, DimAttnForCausalLM
-from dimattn.data import LOAD_FLAGS
-from dimattn.recall import RecallSettings, build_tokenizer
-from dimattn.training import TrainConfig, _export
+from dimattn.data.corpora import LOAD_FLAGS
+from dimattn.data.recall import RecallSettings, build_tokenizer
+from dimattn.pretraining.training import TrainConfig, _export
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "warning"}

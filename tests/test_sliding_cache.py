@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dimattn import DimAttnConfig, DimAttnForCausalLM
-from dimattn.modeling_dimattn import CompactSlidingWindowLayer, DilatedLayer, LayerwiseCache, kv_cache_nbytes, new_cache
+from dimattn.model.modeling_dimattn import CompactSlidingWindowLayer, DilatedLayer, LayerwiseCache, kv_cache_nbytes, new_cache
 
 MODELS = {
     "swa": dict(attention="swa", window=5),

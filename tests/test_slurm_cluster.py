@@ -30,7 +30,7 @@ from slurm_cluster import PROFILES, SUBMITTED, cluster, cluster_logs, rule_of, s
 from test_workflow import REPO, SNAKEMAKE, snakemake, workdir  # noqa: E402
 
 sys.path.insert(0, str(REPO))
-from dimattn import paths  # noqa: E402  (no torch)
+from dimattn.workflow import paths  # noqa: E402  (no torch)
 
 pytestmark = pytest.mark.workflow
 
@@ -156,7 +156,7 @@ def test_remote_jobs_plan_the_same_recall_branch():
     import yaml
     from snakemake.utils import update_config
 
-    from dimattn import sweeps
+    from dimattn.workflow import sweeps
 
     smoke, overlay = (yaml.safe_load(p.read_text()) for p in (REPO / "configs/smoke.yaml", OVERLAY))
     replaced = copy.deepcopy(smoke)
@@ -180,7 +180,7 @@ def test_jobs_ran_on_the_cluster(slurm_run):
     done = [jid for _, jid, _ in slurm_run["submitted"] if jid != slurm_run["cancelled"]]
     assert all(slurm_run["states"].get(jid) == "COMPLETED" for jid in done), slurm_run["states"]
     log = (slurm_run["work"] / paths.log("pretrain", RUN)).read_text()
-    assert re.search(r"launching: .*torch\.distributed\.run --nproc-per-node=2 --standalone -m dimattn\.training", log), log[-2000:]
+    assert re.search(r"launching: .*torch\.distributed\.run --nproc-per-node=2 --standalone -m dimattn\.pretraining\.training", log), log[-2000:]
 
 
 def test_scancelled_pretraining_resumes_from_its_checkpoint(slurm_run):

@@ -1,13 +1,13 @@
-"""A fit job reads its captures a lockstep group of layers at a time (dimattn.affine.LayerFile,
-dimattn.resources.fit_group): its peak host memory is one group's q, k and v, not the file's, as
-dimattn.resources.fit asks.
+"""A fit job reads its captures a lockstep group of layers at a time (dimattn.model.affine.LayerFile,
+dimattn.workflow.resources.fit_group): its peak host memory is one group's q, k and v, not the file's, as
+dimattn.workflow.resources.fit asks.
 
 Measured side by side, each in a process of its own: the peak resident memory of fit_to_file then
 fidelity_to_file (the fit_projection job) on a capture of one layer, and on one of four layers
 of the same shape. With a lockstep budget of one layer (a paper-scale layer is over the budget)
 the two peaks differ by under one layer (measured: 5 MiB, a tenth of a layer); read whole, the
 four-layer file adds over three layers (measured: 159 MiB). With the default budget the four
-layers go as one group, within what dimattn.resources.fit asks for one.
+layers go as one group, within what dimattn.workflow.resources.fit asks for one.
 """
 
 import json
@@ -19,8 +19,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from dimattn import resources  # noqa: E402
-from dimattn.projections import save_capture  # noqa: E402
+from dimattn.workflow import resources  # noqa: E402
+from dimattn.dimpo.capture_files import save_capture  # noqa: E402
 
 N, H, T, D = 32, 8, 256, 64  # one layer: q, k, v of 16 MiB each in fp32
 LAYER_BYTES = 3 * N * H * T * D * 4
@@ -28,8 +28,8 @@ LAYERS = 4
 
 JOB = """
 import json, sys
-from dimattn import resources
-from dimattn.projections import fidelity_to_file, fit_to_file
+from dimattn.workflow import resources
+from dimattn.dimpo.projections import fidelity_to_file, fit_to_file
 def status(key):
     return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1])
 base = status("VmRSS:")  # imports done, no work yet
@@ -66,7 +66,7 @@ def test_a_fit_job_holds_one_lockstep_group_of_its_capture_at_a_time(tmp_path):
     (one, base), (many, _) = peak_mib(tmp_path, 1, LAYER_BYTES), peak_mib(tmp_path, LAYERS, LAYER_BYTES)
     layer = LAYER_BYTES / 2**20
     assert many - one < layer, f"peak {many:.0f} MiB over {LAYERS} layers, {one:.0f} MiB over 1 ({layer:.0f} MiB a layer)"
-    # what dimattn.resources.fit asks beyond a process's overhead_mb covers the work measured here
+    # what dimattn.workflow.resources.fit asks beyond a process's overhead_mb covers the work measured here
     assert many - base <= resources.FIT_LAYER_COPIES * layer, (many, base, layer)
     group = resources.fit_group(LAYER_BYTES, LAYERS)
     assert group == LAYERS  # the default budget holds this capture whole

@@ -1,4 +1,4 @@
-"""dimattn.sweeps: config -> runs, in-process. Every bad config is refused with the key that
+"""dimattn.workflow.sweeps: config -> runs, in-process. Every bad config is refused with the key that
 holds the culprit; the schema is the only home of defaults."""
 
 import copy
@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dimattn import sweeps, variants
+from dimattn.workflow import checks, sweeps
+
+from dimattn.model import variants
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = yaml.safe_load((REPO / "config.yaml").read_text())
@@ -85,7 +87,7 @@ def test_schema_defaults_fill_every_section():
 def test_recall_defaults_are_the_generator_defaults():
     from dataclasses import fields
 
-    from dimattn.recall import RecallSettings
+    from dimattn.data.recall import RecallSettings
 
     schema = yaml.safe_load((REPO / "schemas/config.schema.yaml").read_text())
     branches = schema["properties"]["datasets"]["additionalProperties"]["allOf"]
@@ -151,7 +153,7 @@ def with_long(c, x2=True):
     return c
 
 BAD = {
-    # a Hugging Face corpus's split ranges, as dimattn.data reads them
+    # a Hugging Face corpus's split ranges, as dimattn.data.corpora reads them
     "hf splits overlap": (hf_dataset(THREE | {"test": {"split": "train", "start": 100, "stop": 200}}),
                           "datasets.booksum.splits.test: splits 'train' and 'test' overlap"),
     "hf split empty range": (hf_dataset(THREE | {"test": {"split": "test", "start": 5, "stop": 5}}),
@@ -162,7 +164,7 @@ BAD = {
     "unsafe downstream task": (lambda c: downstream(c, tasks=[{"name": "humaneval"}]), "dimpo.downstream.tasks[0].name"),
     # a task neither our task folder nor lm-eval's registry holds
     "unknown lm_eval task": (lambda c: c["evaluation"]["lm_eval"]["tasks"].append({"name": "hellaswagg"}),
-                             "evaluation.lm_eval.tasks[2].name: 'hellaswagg' is neither a task of dimattn/lm_eval_tasks"),
+                             "evaluation.lm_eval.tasks[2].name: 'hellaswagg' is neither a task of dimattn/evaluation/lm_eval_tasks"),
     "unknown downstream task": (lambda c: downstream(c, tasks=[{"name": "no_such_task"}]),
                                 "dimpo.downstream.tasks[0].name: 'no_such_task' is neither"),
     # a capture longer than the frozen model's context
@@ -182,7 +184,7 @@ BAD = {
     "unknown training key": (lambda c: c["pretraining"]["scales"]["tiny"]["training"].update(lr_decay=1), "lr_decay"),
     "unknown top-level key": (lambda c: c.update(extra=1), "extra"),
     "unknown source": (lambda c: c["datasets"]["shakespeare"].update(source="ftp"), "ftp"),
-    # dimattn.sweeps: the key named in full
+    # dimattn.workflow.sweeps: the key named in full
     "swa with d_down": (add_sweep({"scale": "tiny", "attention": "swa", "window": 8, "d_down": 32}), f"{NEXT}.d_down"),
     "vanilla with window": (add_sweep({"scale": "tiny", "attention": "vanilla", "window": 8}), f"{NEXT}.window"),
     "d_down > hidden_size": (add_sweep({"scale": "tiny", "attention": "uniform", "d_down": 256}), f"{NEXT}.d_down"),
@@ -384,7 +386,7 @@ def test_a_long_context_run_is_scored_on_the_suite_alone():
 def test_long_context_defaults_are_the_generator_defaults():
     from dataclasses import fields
 
-    from dimattn.longctx import SUBTASKS, LongContextSettings
+    from dimattn.data.longctx import SUBTASKS, LongContextSettings
 
     schema = yaml.safe_load((REPO / "schemas/config.schema.yaml").read_text())
     branches = schema["properties"]["datasets"]["additionalProperties"]["allOf"]
@@ -393,12 +395,12 @@ def test_long_context_defaults_are_the_generator_defaults():
     generator = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default for f in fields(LongContextSettings)}
     assert defaults == {k: v for k, v in generator.items() if k in defaults}
     assert set(defaults) == set(generator) - {"seq_len"}
-    assert set(sweeps.LONGCTX_VOCABULARY) <= set(generator)
+    assert set(checks.LONGCTX_VOCABULARY) <= set(generator)
     assert sweeps.SUITE_SUBTASKS == SUBTASKS  # the planner's copy, torch- and numpy-free
 
 
 def test_the_planned_head_objectives_are_those_reading_k():
-    from dimattn.objectives import OBJECTIVES
+    from dimattn.dimpo.objectives import OBJECTIVES
 
     assert set(sweeps.HEAD_OBJECTIVES) == {name for name, o in OBJECTIVES.items() if "k" in o.hparams}
 
@@ -442,7 +444,7 @@ def test_seeds_expand_into_replicates():
 
 def test_hf_split_ranges_default_to_the_whole_split():
     """configs/paper.yaml gives BOOKSUM's splits by name alone: start 0 and stop null (the end)
-    come from the schema, which dimattn.data reads; ranges of one split that touch do not overlap."""
+    come from the schema, which dimattn.data.corpora reads; ranges of one split that touch do not overlap."""
     plan = plan_of(mutated(hf_dataset(THREE)))
     assert plan.config["datasets"]["booksum"]["splits"]["validation"] == {"split": "validation", "start": 0,
                                                                           "stop": None}
@@ -454,7 +456,7 @@ def test_hf_split_ranges_default_to_the_whole_split():
 def test_unsafe_code_is_an_explicit_opt_in():
     """lm-eval's unsafe_code tasks are read off its task files (MBPP's include too); Table 4's MBPP
     plans once evaluation.lm_eval.allow_unsafe_code is set, as configs/paper.yaml does."""
-    unsafe = sweeps.unsafe_lm_eval_tasks()
+    unsafe = checks.unsafe_lm_eval_tasks()
     assert {"mbpp", "mbpp_plus", "humaneval"} <= unsafe and not unsafe & {"hellaswag", "gsm8k", "commonsense_qa"}
     config = mutated(lambda c: c["evaluation"]["lm_eval"]["tasks"].append({"name": "mbpp", "num_fewshot": 3}))
     config["evaluation"]["lm_eval"]["allow_unsafe_code"] = True
@@ -481,7 +483,7 @@ def test_the_paper_grids_reach_every_layer_as_the_authors_ran_them():
     """configs/paper.yaml: each hub model's l to 100 % of its layers with Table 4's shares as
     lanzv/dimpo rounded them; harness tasks at d' 64, 16, 4, 1, RULER at 64; Table 5 on
     Llama-3.1-8B alone; Table 6's KL and DimPO + KL projected where its ablation is."""
-    from dimattn.settings import downstream_tasks
+    from dimattn.workflow.settings import downstream_tasks
 
     config = copy.deepcopy(DEFAULT)
     for key, value in PAPER.items():  # Snakemake's --configfile merge: mappings merge, the rest replaces
@@ -539,11 +541,11 @@ def test_the_smoke_config_stands_alone():
 
 
 def test_dimpo_schema_names_every_fit_setting_and_objective():
-    """The schema types every dimattn.projections.FitSettings field; the code is the authority."""
+    """The schema types every dimattn.dimpo.fit_settings.FitSettings field; the code is the authority."""
     from dataclasses import fields
 
-    from dimattn.objectives import OBJECTIVES
-    from dimattn.projections import PRESETS, FitSettings
+    from dimattn.dimpo.objectives import OBJECTIVES
+    from dimattn.dimpo.fit_settings import PRESETS, FitSettings
 
     schema = yaml.safe_load((REPO / "schemas/config.schema.yaml").read_text())
     hparams = schema["properties"]["dimpo"]["properties"]["hparams"]["properties"]
@@ -681,3 +683,21 @@ def test_latency_is_measured_on_models_with_a_plain_kv_cache():
     assert plan.latency == {"prompt": 64, "new": 32, "repeats": 3}  # with the defaults
     assert plan.latency_projection("tiny-vanilla") == ("dimpo", "default", 4, 0) and "latency" in plan.dimpo_studies
     assert plan_of(mutated(lambda c: downstream(c))).latency_models == []  # dimpo.latency null: not measured
+
+
+def test_the_generators_read_their_defaults_from_the_schema():
+    """One home for defaults: a settings field the schema gives a default reads it (no literal)."""
+    import ast
+    import inspect
+
+    from dimattn.data import longctx, recall
+    from dimattn.workflow.schema import dataset_defaults
+
+    for module, cls, source in ((recall, "RecallSettings", "synthetic_recall"),
+                                (longctx, "LongContextSettings", "synthetic_longctx")):  # fmt: skip
+        defaults = dataset_defaults(source)
+        body = next(n for n in ast.parse(inspect.getsource(module)).body if isinstance(n, ast.ClassDef) and n.name == cls)
+        restated = [n.target.id for n in body.body if isinstance(n, ast.AnnAssign) and n.target.id in defaults
+                    and n.value is not None and not any(isinstance(x, ast.Name) and x.id == "_DEFAULTS"
+                                                        for x in ast.walk(n.value))]  # fmt: skip
+        assert restated == [], f"{cls} restates the schema's defaults of {restated}"

@@ -18,8 +18,10 @@ from corpus_fixtures import token_corpus
 import torch
 from safetensors.torch import load_file
 
-from dimattn import data, precision, training
-from dimattn.training import (
+from dimattn.data import corpora as data
+
+from dimattn.pretraining import precision, training
+from dimattn.pretraining.training import (
     TrainConfig,
     TrainingError,
     batch_starts,
@@ -143,14 +145,14 @@ def test_ddp_on_two_processes_matches_one_process(corpus, reference, tmp_path):
 def test_launch_command_for_one_node_and_for_several():
     args = ["--spec", "s.json"]
     assert launch_command(args, nproc=4, python="py") == [
-        "py", "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone", "-m", "dimattn.training", *args]
+        "py", "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone", "-m", "dimattn.pretraining.training", *args]
     several = launch_command(args, nproc=4, nodes=2, rdzv_host="node1", rdzv_id="run-7", rdzv_port=29507,
                              cpus_per_node=16, python="py")
     srun, torchrun = several[:several.index("py")], several[several.index("py"):]
     assert srun == ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=16"]
     assert torchrun[:4] == ["py", "-m", "torch.distributed.run", "--nproc-per-node=4"]
     assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node1:29507", "--rdzv-id=run-7"} <= set(torchrun)
-    assert torchrun[-4:] == ["-m", "dimattn.training", *args]
+    assert torchrun[-4:] == ["-m", "dimattn.pretraining.training", *args]
     with pytest.raises(TrainingError, match="rendezvous host"):
         launch_command(args, nproc=4, nodes=2)
 
@@ -162,7 +164,7 @@ def test_kill_9_then_resume_is_bitwise_equal_to_an_uninterrupted_run(corpus, tmp
 
     work = tmp_path / "killed"
     work.mkdir()
-    cmd = [sys.executable, "-m", "dimattn.training", *cli_args(corpus, work, write_spec(work / "spec.json", cfg))]
+    cmd = [sys.executable, "-m", "dimattn.pretraining.training", *cli_args(corpus, work, write_spec(work / "spec.json", cfg))]
     ckpt, metrics = work / "checkpoints/run/checkpoint.pt", work / "checkpoints/run/metrics.csv"
     proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     logged = 0  # metrics rows so far
@@ -293,10 +295,10 @@ def test_windows_are_whole_examples_when_the_corpus_has_example_len(corpus, tmp_
 
 
 def test_benchmark_sums_snakemake_benchmark_files_per_rule(tmp_path, capsys):
-    """benchmarks/training.py --dag-times: the rule is the folder (dimattn.paths.bench)."""
+    """benchmarks/training.py --dag-times: the rule is the folder (dimattn.workflow.paths.bench)."""
     import importlib.util
 
-    from dimattn import paths
+    from dimattn.workflow import paths
 
     spec = importlib.util.spec_from_file_location("bench_training", REPO / "benchmarks" / "training.py")
     bench = importlib.util.module_from_spec(spec)

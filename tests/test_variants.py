@@ -1,4 +1,4 @@
-"""dimattn.variants: the one vocabulary of attention variants, and everything that must agree
+"""dimattn.model.variants: the one vocabulary of attention variants, and everything that must agree
 with it (the attention registry, the model config, the schema)."""
 
 from pathlib import Path
@@ -7,14 +7,14 @@ import pandas as pd
 import pytest
 import yaml
 
-from dimattn import variants
-from dimattn.variants import VARIANTS, check_model, check_values, is_plain, run_fields, run_name
+from dimattn.model import variants
+from dimattn.model.variants import VARIANTS, check_model, check_values, is_plain, run_fields, run_name
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_attention_registry_implements_exactly_these_variants():
-    from dimattn.attention import ATTENTION_VARIANTS
+    from dimattn.model.attention import ATTENTION_VARIANTS
 
     assert list(ATTENTION_VARIANTS) == list(VARIANTS)
     for name, impl in ATTENTION_VARIANTS.items():

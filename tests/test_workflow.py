@@ -124,10 +124,10 @@ def test_slurm_profile_builds_the_paper_dag(paper_dry_run):
     assert "Using profile slurm for setting default command line arguments" in text
 
 
-# Every bad config is tried in-process against dimattn.sweeps (tests/test_sweeps.py); these few
+# Every bad config is tried in-process against dimattn.workflow.sweeps (tests/test_sweeps.py); these few
 # go through snakemake itself, so the message a user sees is checked too.
 BAD_CONFIGS = {
-    # a bare KeyError: 'window' from common.smk before dimattn.sweeps
+    # a bare KeyError: 'window' from common.smk before dimattn.workflow.sweeps
     "dilated without window": (lambda c: c["pretraining"]["sweeps"].append(
         {"scale": "tiny", "attention": "dilated", "dilation": 4}), "window"),
     "missing member_glob": (lambda c: c["datasets"]["shakespeare"].pop("member_glob"), "member_glob"),
@@ -248,7 +248,7 @@ def test_figures_target_rerenders_from_summaries_alone(smoke, tmp_path):
 
 
 def test_another_tier_is_refused_in_the_smoke_directory(smoke):
-    """The smoke run stamped its directory (dimattn.tiers): the default config, another tier, is
+    """The smoke run stamped its directory (dimattn.workflow.tiers): the default config, another tier, is
     refused there before any job, naming both tiers, and nothing of the smoke run changes."""
     record = json.loads((smoke / "results/tier.json").read_text())
     assert record["tier"] == "smoke" and record["invocations"][-1]["ok"] is True
@@ -305,7 +305,7 @@ def test_model_directory_with_lm_eval_cli(smoke, tmp_path):
     out = subprocess.run(
         [str(BIN / "lm_eval"), "--model", "hf",
          "--model_args", "pretrained=results/models/tiny-vanilla,trust_remote_code=True",
-         "--tasks", "dimattn_heldout", "--include_path", str(REPO / "dimattn/lm_eval_tasks"),
+         "--tasks", "dimattn_heldout", "--include_path", str(REPO / "dimattn/evaluation/lm_eval_tasks"),
          "--limit", "2", "--batch_size", "2", "--output_path", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=smoke,
     )
@@ -321,7 +321,7 @@ def test_projected_model_directory_with_lm_eval_cli(smoke, tmp_path):
     model = "results/dimpo/tiny-vanilla/projected/kl/default/d4-l2-none-s0"
     out = subprocess.run(
         [str(BIN / "lm_eval"), "--model", "hf", "--model_args", f"pretrained={model},trust_remote_code=True",
-         "--tasks", "dimattn_next_line", "--include_path", str(REPO / "dimattn/lm_eval_tasks"),
+         "--tasks", "dimattn_next_line", "--include_path", str(REPO / "dimattn/evaluation/lm_eval_tasks"),
          "--limit", "16", "--batch_size", "4", "--output_path", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=smoke,
     )  # fmt: skip

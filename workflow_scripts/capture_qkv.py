@@ -3,7 +3,7 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.capture import capture_to_file
+    from dimattn.dimpo.capture import capture_to_file
 
     cfg = snakemake.params.capture
     purpose = snakemake.wildcards.purpose

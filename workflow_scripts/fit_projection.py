@@ -3,7 +3,7 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.projections import fit_seeds_to_files
+    from dimattn.dimpo.projections import fit_seeds_to_files
 
     wc, out, p = snakemake.wildcards, snakemake.output, snakemake.params
     fit_seeds_to_files(fit_capture=Path(snakemake.input.fit), eval_capture=Path(snakemake.input.eval),

@@ -5,10 +5,10 @@ from _workflow import logged
 with logged(snakemake):
     spec, out_dir = snakemake.params.spec, Path(snakemake.params.out_dir)
     if spec["source"] == "synthetic_longctx":
-        from dimattn.longctx import LongContextSettings, write_longctx_corpus
+        from dimattn.data.longctx import LongContextSettings, write_longctx_corpus
 
         write_longctx_corpus(LongContextSettings.from_spec(spec), out_dir)
     else:
-        from dimattn.recall import RecallSettings, write_recall_corpus
+        from dimattn.data.recall import RecallSettings, write_recall_corpus
 
         write_recall_corpus(RecallSettings.from_spec(spec), out_dir)

@@ -5,7 +5,7 @@ from _workflow import logged
 with logged(snakemake):
     import torch
 
-    from dimattn.latency import latency_to_file
+    from dimattn.evaluation.latency import latency_to_file
 
     p = snakemake.params
     torch.set_num_threads(snakemake.threads)

@@ -3,10 +3,10 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.resources import online
+    from dimattn.workflow.resources import online
 
     online()  # a download rule (localrules): the user's network settings, not the jobs' offline ones
-    from dimattn.dimpo_scoring import prefetch
+    from dimattn.evaluation.projected import prefetch
 
     p = snakemake.params
     prefetch(models=p.models, tasks=p.tasks, metadata=p.metadata, out_json=Path(snakemake.output[0]),

@@ -1,5 +1,5 @@
 """Pretrain one run: in this process, or as nproc x nodes torchrun processes (resources.nproc,
-resources.nodes), each running ``python -m dimattn.training`` on the same arguments."""
+resources.nodes), each running ``python -m dimattn.pretraining.training`` on the same arguments."""
 
 import json
 import os
@@ -13,8 +13,8 @@ from _workflow import logged
 REPO = Path(__file__).resolve().parents[1]
 
 with logged(snakemake):
-    from dimattn.atomic import atomic_file
-    from dimattn.training import TrainConfig, launch_command, pretrain
+    from dimattn.model.atomic import atomic_file
+    from dimattn.pretraining.training import TrainConfig, launch_command, pretrain
 
     spec = snakemake.params.spec
     nproc, nodes = snakemake.params.nproc, snakemake.params.nodes

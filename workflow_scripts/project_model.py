@@ -3,7 +3,7 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.configuration_projected import save_projected_model
+    from dimattn.model.configuration_projected import save_projected_model
 
     wc, p = snakemake.wildcards, snakemake.params
     # the base model's job has no projections; a projected setting's has one a seed

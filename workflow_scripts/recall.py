@@ -3,7 +3,7 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn import evaluation
+    from dimattn.evaluation import scoring as evaluation
 
     # the recall probe, or the long-context suite: a run scored on one synthetic corpus
     evaluate = {"recall": evaluation.evaluate_recall, "longctx": evaluation.evaluate_longctx}[snakemake.rule]

@@ -3,9 +3,9 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.dimpo_scoring import score_projected
-    from dimattn.kv_compression import kv_fields
-    from dimattn.configuration_projected import ProjectedConfig
+    from dimattn.evaluation.projected import score_projected
+    from dimattn.model.kv_compression import kv_fields
+    from dimattn.model.configuration_projected import ProjectedConfig
 
     wc, p, inputs = snakemake.wildcards, snakemake.params, snakemake.input
     ds = p.scoring

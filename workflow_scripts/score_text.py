@@ -3,7 +3,7 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.evaluation import evaluate_perplexity, load_model, run_lm_eval
+    from dimattn.evaluation.scoring import evaluate_perplexity, load_model, run_lm_eval
 
     p, model_dir = snakemake.params, Path(snakemake.input.model)
     model = load_model(model_dir, p.device)  # once, for every corpus and lm-eval

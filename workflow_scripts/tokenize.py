@@ -3,7 +3,7 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.data import tokenize_documents
+    from dimattn.data.corpora import tokenize_documents
 
     tokenize_documents(
         Path(snakemake.input.documents),

@@ -3,7 +3,7 @@ from pathlib import Path
 from _workflow import logged
 
 with logged(snakemake):
-    from dimattn.evaluation import HELDOUT_TASK, NEXT_LINE_TASK, write_lm_eval_data
+    from dimattn.evaluation.scoring import HELDOUT_TASK, NEXT_LINE_TASK, write_lm_eval_data
 
     write_lm_eval_data(
         Path(snakemake.input.test),

@@ -7,7 +7,7 @@
   (``dar_perplexity`` and ``recall``);
 * ``dar_downstream.tex``: Table 4, lm-eval scores relative to the d_down = d run (``lm_eval``);
 * ``dar_trajectory.png``: Figure 3, relative validation perplexity along training
-  (``dar_trajectory``).
+  (``dar_trajectory``), in its own module (dimattn.reporting.dar_trajectory).
 
 Our models are far smaller than the paper's (Pythia-70M, d = 512), so paper numbers are matched
 by the ratio d_down/d, and every table prints both dimensions. Which runs each output shows is
@@ -25,11 +25,10 @@ from itertools import zip_longest
 from pathlib import Path
 
 import pandas as pd
-import seaborn as sns
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from .. import variants
+from dimattn.model import variants
 from . import latex, paper, plots, replicates, selection
 from .latex import DAGGER, DDAGGER, MISSING, SpreadCells, Tex, fmt, fmt_fraction, fraction, integer, na
 from .lm_eval import lower_is_better, metric_label
@@ -631,84 +630,3 @@ def _downstream_scores(block: dict, tasks: list[tuple[str, str]]) -> tuple[pd.Da
     per_run = rows.drop_duplicates("run").drop(columns=["task", "metric", "value", "stderr", "rel"])
     per_run = per_run.assign(rel=per_run["run"].map(means).astype(float))
     return settings(rows, ["value", "rel"], ["task", "metric"]), settings(per_run, ["rel"])
-
-
-# ----------------------------------------------------------------------------- Figure 3
-
-
-def _run_label(row) -> str:
-    label = selection.kind_label(selection.kind(row))
-    if not na(row["d_down"]):
-        label += (
-            f" $d_{{\\mathrm{{down}}}}$={int(row['d_down'])} "
-            f"({fmt_fraction(fraction(row['d_down'], row['hidden_size']))})"
-        )
-    if row["attention"] == "dar" and not na(row["window"]):
-        label += f", w={int(row['window'])}"
-    return label
-
-
-def _tokens_formatter(x, _):
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{x / scale:g}{suffix}"
-    return f"{x:g}"
-
-
-def trajectory_runs(traj: pd.DataFrame) -> pd.DataFrame:
-    """Table 1's runs per (dataset, hidden_size): plain Vanilla, Uniform, and DAR at the main window."""
-    kept = [
-        rows_of(rows, selection.table1(records(rows)))
-        for _, rows in frame_scales(traj, selection.RUN_SCALE_KEYS)
-    ]
-    kept = [rows for rows in kept if not rows.empty]
-    return pd.concat(kept) if kept else traj.iloc[:0]
-
-
-def trajectory_figure(frames: Frames, reference_dir: Path, path: Path) -> Path:
-    """Seed 000 Figure 3: validation perplexity relative to Vanilla along training, Table 1's runs only."""
-    traj = trajectory_runs(frames["dar_trajectory"].dropna(subset=["rel_to_vanilla"]))
-    traj = settings(traj, ["rel_to_vanilla"], ["dataset", "step"])
-    runs = traj[traj["attention"] != "vanilla"].drop_duplicates("run")
-    # The fullest sweeps first, wider models first on a tie.
-    sizes = runs.groupby(["dataset", "hidden_size"], sort=False)["run"].nunique()
-    panels = sorted(sizes.index, key=lambda k: (-sizes[k], -int(k[1]), str(k[0])))
-    if not panels:
-        raise NoRuns("no plain DAR or Uniform run has a vanilla run of its dataset and width")
-    ncols, nrows = plots.panel_grid(len(panels), 2)
-    with plots.figure(path, (7.0 * ncols + 3.2, 4.8 * nrows)) as fig:
-        axes = fig.subplots(nrows, ncols, squeeze=False)
-        for ax, (dataset, hidden_size) in zip(axes.flat, panels):
-            ax.axhline(100, color=VARIANT_COLORS["vanilla"], lw=1.5, label="Vanilla (= 100)")
-            these = runs[(runs["dataset"] == dataset) & (runs["hidden_size"] == hidden_size)]
-            for attention, marker, cmap in (("dar", "o", "Blues"), ("uniform", "s", "Oranges")):
-                group = these[these["attention"] == attention].sort_values(["d_down", "window"], ascending=False)
-                # Narrower bottleneck, darker line: the gap to Vanilla should grow with the colour.
-                shades = sns.color_palette(cmap, len(group) + 2)[2:]
-                for shade, (_, run) in zip(shades, group.iterrows()):
-                    rows = traj[traj["run"] == run["run"]].sort_values("tokens")
-                    plots.line(
-                        ax,
-                        rows["tokens"].astype(float),
-                        [spread(r, "rel_to_vanilla") for _, r in rows.iterrows()],
-                        color=shade,
-                        lw=2,
-                        marker=marker,
-                        ms=4,
-                        ls="-" if attention == "dar" else "--",
-                        label=_run_label(run),
-                    )
-            ax.xaxis.set_major_formatter(FuncFormatter(_tokens_formatter))
-            ax.set_xlabel("training tokens")
-            ax.set_title(f"{dataset}, d = {hidden_size}" if dataset else f"d = {hidden_size}")
-            ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False, fontsize=9)
-        plots.hide_unused(axes, len(panels))
-        for ax in axes[:, 0]:
-            ax.set_ylabel("validation perplexity relative to Vanilla (%)\nlower is better")
-        fig.suptitle(
-            "Validation perplexity relative to Vanilla during training (analogue of seed 000 Figure 3)\n"
-            "100 = Vanilla at the same step; below 100 beats it"
-            + plots.spread_note(seed_counts(traj[traj["attention"] != "vanilla"])),
-            fontsize=12,
-        )
-    return Path(path)

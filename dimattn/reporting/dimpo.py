@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from ..sweeps import DEFAULT_SETTING, MAIN_STUDY, parse_setting
+from dimattn.workflow.sweeps import DEFAULT_SETTING, MAIN_STUDY, parse_setting
 from . import latex, paper, plots
 from .latex import DAGGER, MISSING, SpreadCells, Tex, fmt_fraction, fmt_sig
 from .lm_eval import better

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..sweeps import BASE_OBJECTIVE, MAIN_STUDY, NO_KV, RULER_TASK, RULER_TASKS
+from dimattn.workflow.sweeps import BASE_OBJECTIVE, MAIN_STUDY, NO_KV, RULER_TASK, RULER_TASKS
 from . import latex, paper, plots
 from .latex import MISSING, SpreadCells, Tex, fmt
 from .lm_eval import better
@@ -26,7 +26,7 @@ from .plots import OBJECTIVE_COLORS
 from .replicates import Spread, aggregate, seed_counts, spread
 
 RECALL_TASK = "recall:"  # the recall probe's tasks in the summary: "recall:<corpus>"
-SUITE_TASK = "longctx:"  # the long-context suite's (dimattn.longctx): "longctx:<corpus>"
+SUITE_TASK = "longctx:"  # the long-context suite's (dimattn.data.longctx): "longctx:<corpus>"
 
 
 def relative(df: pd.DataFrame) -> pd.DataFrame:
@@ -230,7 +230,7 @@ def long_context(df: pd.DataFrame) -> pd.DataFrame:
 
 def _suite_groups(subtasks) -> dict[str, list[str]]:
     """The suite's subtasks under Tables 2-3's column of the RULER task each is modelled on
-    (dimattn.sweeps.RULER_TASK), in RULER_GROUPS' order; its one QA subtask stands for SQuAD."""
+    (dimattn.workflow.vocabulary.RULER_TASK), in RULER_GROUPS' order; its one QA subtask stands for SQuAD."""
     out = {}
     for column, tasks in RULER_GROUPS.items():
         mine = [t for t in subtasks if RULER_TASK.get(t) in tasks]

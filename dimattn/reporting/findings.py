@@ -214,7 +214,7 @@ def render(published_root: os.PathLike | str, reference_dir: os.PathLike | str, 
 
 
 def write(dest: os.PathLike | str, **kwargs) -> Path:
-    from ..atomic import atomic_file
+    from dimattn.model.atomic import atomic_file
 
     text = render(**kwargs)
     with atomic_file(Path(dest)) as tmp:

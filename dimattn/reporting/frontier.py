@@ -1,7 +1,7 @@
 """The accuracy-against-bytes frontier (``kv_frontier.png``, issue 18 item 5): every model the
 project scores, a run of any attention variant or a projected model under any objective, width,
 depth and KV compression, placed by the KV-cache bytes per token its own cache held (measured:
-dimattn.recall.cache_bytes_per_token) against its quality relative to its base under the same
+dimattn.data.recall.cache_bytes_per_token) against its quality relative to its base under the same
 protocol (``rel_to_base``), one panel per probe, the Pareto front drawn through the points no
 other point beats on both axes. It answers the project's question, how many dimensions attention
 needs, across the three seeds in one picture.

@@ -25,7 +25,7 @@ from pathlib import Path
 import jinja2
 import pandas as pd
 
-from ..atomic import atomic_file
+from dimattn.model.atomic import atomic_file
 from .replicates import Spread, seeds_text
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"

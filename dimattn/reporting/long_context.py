@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..sweeps import BASE_OBJECTIVE, MAIN_STUDY, NO_KV
+from dimattn.workflow.sweeps import BASE_OBJECTIVE, MAIN_STUDY, NO_KV
 from . import plots
 from .latex import pct
 

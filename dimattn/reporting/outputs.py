@@ -8,9 +8,9 @@ target applies the same predicates to the runs the summaries on disk hold
 (:func:`render_existing`). A renderer asked for an output its summaries cannot fill raises an
 error naming the output and what is missing; nothing writes a placeholder.
 
-A run here is a dict with ``dimattn.variants.RUN_FIELDS`` plus ``dataset`` (its training
+A run here is a dict with ``dimattn.model.variants.RUN_FIELDS`` plus ``dataset`` (its training
 corpus) and ``synthetic`` (trained on the synthetic recall corpus: no perplexity, recall
-scores instead), as ``dimattn.sweeps.Run.fields`` gives it. Imports neither pandas nor
+scores instead), as ``dimattn.workflow.sweeps.Run.fields`` gives it. Imports neither pandas nor
 matplotlib until something is rendered, so the DAG can read this registry.
 """
 
@@ -22,16 +22,16 @@ from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
 
-from .. import paths
+from dimattn.workflow import paths
 from . import selection
 
 
 @dataclass(frozen=True)
 class Asked:
     """What a config (or a set of summaries) holds: its runs, whether lm-eval runs, and the
-    DimPO studies it fits (dimattn.sweeps.MAIN_STUDY and the keys of dimpo.ablations; none
+    DimPO studies it fits (dimattn.workflow.vocabulary.MAIN_STUDY and the keys of dimpo.ablations; none
     without DimPO), with "downstream" where projected models are scored (dimpo.downstream), and
-    whether runs are trained on the long-context suite (dimattn.longctx)."""
+    whether runs are trained on the long-context suite (dimattn.data.longctx)."""
 
     runs: list[dict]
     lm_eval: bool
@@ -147,7 +147,7 @@ OUTPUTS: dict[str, Output] = {
         _output("DAR", paths.table("dar_window"), "dar:window_table", _window_sweep, _EITHER, optional=_EITHER),
         _output("DAR", paths.figure("dar_window"), "dar:window_figure", _window_sweep, _EITHER, optional=_EITHER),
         _output("DAR", paths.table("dar_downstream"), "dar:downstream_table", _downstream, ["lm_eval"]),
-        _output("DAR", paths.figure("dar_trajectory"), "dar:trajectory_figure", _trajectory, ["dar_trajectory"]),
+        _output("DAR", paths.figure("dar_trajectory"), "dar_trajectory:trajectory_figure", _trajectory, ["dar_trajectory"]),
         # Seed 001 (sliding-window attention)
         _output("Baselines", paths.table("baselines"), "baselines:table", _baselines, _EITHER, optional=_EITHER),
         # Ours, with no paper numbers: the recall probe and lm-eval
@@ -172,7 +172,7 @@ OUTPUTS: dict[str, Output] = {
         _output("DimPO", paths.table("dimpo_kv"), "dimpo_downstream:kv_table", _study("kv"), ["dimpo_downstream"]),
         _output("DimPO", paths.table("dimpo_latency"), "dimpo_downstream:latency_table", _study("latency"),
                 ["dimpo_latency"]),
-        # Seed 003's RULER in our mould (dimattn.longctx): the needle heat map
+        # Seed 003's RULER in our mould (dimattn.data.longctx): the needle heat map
         _output("Long-context", paths.figure("longctx_needle"), "long_context:needle_figure",
                 lambda asked: asked.longctx, ["longctx_needle"]),
         # ... and of the projected models on it, at the depth where the objectives separate

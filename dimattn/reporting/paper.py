@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..reference import FILES, OPTIONAL, missing  # noqa: F401 (missing: re-exported for the readers)
-from ..sweeps import BASE_OBJECTIVE
+from dimattn.workflow.reference import FILES, OPTIONAL, missing  # noqa: F401 (missing: re-exported for the readers)
+from dimattn.workflow.sweeps import BASE_OBJECTIVE
 
 # The columns each file must have (its readers use them); a file may have more.
 COLUMNS = {
@@ -59,7 +59,7 @@ METRIC_NAMES = {"flexible-extract exact match": "exact_match,flexible-extract"}
 
 def objective_rank(objective: str) -> int:
     """Where an objective sorts, in every summary, table and figure: the base model (l = 0,
-    dimattn.sweeps.BASE_OBJECTIVE) first, then :data:`OBJECTIVE_ORDER`, then any other."""
+    dimattn.workflow.vocabulary.BASE_OBJECTIVE) first, then :data:`OBJECTIVE_ORDER`, then any other."""
     if objective == BASE_OBJECTIVE:
         return -1
     return OBJECTIVE_ORDER.index(objective) if objective in OBJECTIVE_ORDER else len(OBJECTIVE_ORDER)

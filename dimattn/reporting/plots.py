@@ -21,7 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from ..atomic import atomic_file
+from dimattn.model.atomic import atomic_file
 from .latex import fmt_fraction
 from .replicates import Spread, seeds_text
 

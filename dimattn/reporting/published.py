@@ -26,8 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import paths, tiers
-from ..atomic import atomic_dir
+from dimattn.workflow import paths
+
+from dimattn.workflow import tiers
+from dimattn.model.atomic import atomic_dir
 from .summaries import BadSummary, csv_rows
 
 MANIFEST = "manifest.json"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from .. import variants
+from dimattn.model import variants
 
 SUFFIX = "_spread"
 

@@ -1,8 +1,8 @@
 """Which runs each table and figure shows, read off the run fields alone (never the run names).
 
 One definition serves both sides of the DAG: ``outputs.wanted`` applies it to the runs a config
-plans (``dimattn.sweeps.Run.fields``), the renderers to the runs a summary holds. A *run* here
-is a dict with ``dimattn.variants.RUN_FIELDS`` (a summary row works too, see :func:`records`).
+plans (``dimattn.workflow.sweeps.Run.fields``), the renderers to the runs a summary holds. A *run* here
+is a dict with ``dimattn.model.variants.RUN_FIELDS`` (a summary row works too, see :func:`records`).
 
 * a *plain* run is seed 000's: Vanilla, or a variant with the bottleneck (DAR, Uniform) that is
   linear, on every layer, with no full-attention layers (``variants.is_plain``). Seed 000
@@ -29,8 +29,8 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 
-from .. import variants
-from ..variants import missing
+from dimattn.model import variants
+from dimattn.model.variants import missing
 
 # Seed 000 compares Vanilla with the variants that bottleneck keys (DAR, Uniform).
 SEED_000 = frozenset(a for a in variants.VARIANTS if a == "vanilla" or variants.uses_bottleneck(a))

@@ -2,17 +2,17 @@
 
 Each ``summarize_*`` reads one kind of raw output and writes ``paths.summary(<name>)``:
 
-* ``dar_perplexity``: the perplexity JSON of every text run (``dimattn.evaluation``), for seed
+* ``dar_perplexity``: the perplexity JSON of every text run (``dimattn.evaluation.scoring``), for seed
   000 Tables 1-3 and the baselines;
 * ``dar_trajectory``: each trained model's ``metrics.csv`` and ``config.json``, for seed 000
   Figure 3 (it lists every run, text and synthetic, with its training dataset);
 * ``lm_eval``: lm-eval's results JSON per run, for seed 000 Table 4 and the lm-eval table;
-* ``recall``: the recall-probe JSON of every synthetic run (``dimattn.recall``);
+* ``recall``: the recall-probe JSON of every synthetic run (``dimattn.data.recall``);
 * ``dimpo_fidelity``: the fidelity CSV per (model, objective, d'), for seed 003 Table 1;
 * ``kv_frontier``: every scored model's quality beside the KV-cache bytes per token its own
   cache measured (runs and projected models alike), for the accuracy-against-bytes frontier.
 
-Every row of a run carries its run fields (``dimattn.variants.RUN_FIELDS``: the config's names,
+Every row of a run carries its run fields (``dimattn.model.variants.RUN_FIELDS``: the config's names,
 a field its variant does not take left empty), so the renderers select runs by what they are.
 Summaries stay tidy, one row per replicate (training seed); a value relative to Vanilla is
 paired by seed (``replicates.relative``), and ``vanilla_seed`` says which Vanilla replicate it
@@ -32,17 +32,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .. import variants
-from ..atomic import atomic_file
-from ..formats import FIDELITY_COLUMNS
-from ..runs import run_metadata
-from ..sweeps import BASE_OBJECTIVE, MAIN_STUDY, RULER_TASKS
+from dimattn.model import variants
+from dimattn.model.atomic import atomic_file
+from dimattn.workflow.formats import FIDELITY_COLUMNS
+from dimattn.workflow.runs import run_metadata
+from dimattn.workflow.sweeps import BASE_OBJECTIVE, MAIN_STUDY, RULER_TASKS
 from .lm_eval import lower_is_better
 from .paper import objective_rank
 from .replicates import relative
 
 RUN_FIELDS = variants.RUN_FIELDS
-# A projected model of dimpo.downstream (dimattn.sweeps.Projected); share = l / n_layers.
+# A projected model of dimpo.downstream (dimattn.workflow.sweeps.Projected); share = l / n_layers.
 # kv: the compression's name in dimpo.downstream.kv; kv_method and kv_level what it is (kivi and
 # its bits, snapkv and its budget; none and 0), so that Table 5 can be drawn from the CSV alone.
 DOWNSTREAM_FIELDS = ["model", "objective", "setting", "d_prime", "num_projected", "n_layers", "share", "scale", "kv",
@@ -54,9 +54,9 @@ COLUMNS = {
     "lm_eval": RUN_FIELDS + ["task", "metric", "value", "stderr"],
     "recall": RUN_FIELDS
     + ["corpus", "split", "scope", "bin", "min_distance", "max_distance", "accuracy", "n", "chance"],
-    # dimattn.longctx.score_suite: a row per subtask and one "average" (RULER's), scores in %
+    # dimattn.data.longctx.score_suite: a row per subtask and one "average" (RULER's), scores in %
     "longctx": RUN_FIELDS + ["corpus", "split", "seq_len", "subtask", "score", "exact", "n"],
-    # the needle heat map: niah_single, niah_multikey by needle-depth bin (dimattn.longctx.needle_scores)
+    # the needle heat map: niah_single, niah_multikey by needle-depth bin (dimattn.data.longctx.needle_scores)
     "longctx_needle": RUN_FIELDS + ["corpus", "split", "seq_len", "subtask", "depth_lo", "depth_hi", "score", "n"],
     # study: Table 1's (MAIN_STUDY: Figures 2-3, Tables 2-5) or one of dimpo.downstream.studies
     # (table6: Table 6's RULER column); a model scored for two has rows in both.
@@ -65,7 +65,7 @@ COLUMNS = {
     # longctx_needle's of the runs
     "dimpo_needle": ["study"] + DOWNSTREAM_FIELDS + ["corpus", "seq_len", "subtask", "depth_lo", "depth_hi", "score",
                                                      "n"],
-    # dimattn.latency.measure: medians over paired repeats, ratios to the base model's
+    # dimattn.evaluation.latency.measure: medians over paired repeats, ratios to the base model's
     "dimpo_latency": ["model", "d_prime", "setting", "num_projected", "kv", "device", "dtype", "prompt", "new",
                       "repeats", "prefill_s", "decode_s", "tokens_per_s", "cache_bytes", "peak_bytes", "peak_kind",
                       "prefill_ratio", "decode_ratio", "cache_ratio", "peak_ratio"],
@@ -76,7 +76,7 @@ COLUMNS = {
     "kv_frontier": ["source", "probe", "metric", "higher_is_better", "family", "reference"] + RUN_FIELDS
     + [f for f in DOWNSTREAM_FIELDS if f not in ("share", "seed", "scale")]
     + ["value", "cache_bytes_per_token", "rel_to_base", "base_seed"],
-    # study: dimattn.sweeps.MAIN_STUDY (Table 1) or a dimpo.ablations key; setting_order: the
+    # study: dimattn.workflow.vocabulary.MAIN_STUDY (Table 1) or a dimpo.ablations key; setting_order: the
     # setting's place in that study's list. A fit in two studies has rows in both.
     "dimpo_fidelity": ["study", "setting_order"] + FIDELITY_COLUMNS,
 }
@@ -184,10 +184,10 @@ def _write_csv(df: pd.DataFrame, path: Path) -> None:
 
 
 def _run_fields(record: dict, source) -> dict:
-    """The run fields of a raw output (each carries ``dimattn.runs.run_metadata``), or a
+    """The run fields of a raw output (each carries ``dimattn.workflow.runs.run_metadata``), or a
     ValueError naming the file."""
     if record.get("run") is None:
-        raise ValueError(f"{source}: no 'run'; expected the fields of dimattn.runs.run_metadata")
+        raise ValueError(f"{source}: no 'run'; expected the fields of dimattn.workflow.runs.run_metadata")
     try:
         return variants.run_fields(record["run"], record, record.get("seed") or 0)
     except (KeyError, ValueError) as e:
@@ -474,19 +474,19 @@ def summarize_longctx(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike |
 
 
 def needle_rows(needle: dict) -> list[dict]:
-    """A suite result's needle-depth bins (dimattn.longctx.needle_scores), a row per subtask and bin."""
+    """A suite result's needle-depth bins (dimattn.data.longctx.needle_scores), a row per subtask and bin."""
     return [{"subtask": task} | row for task, bins in needle.items() for row in bins]
 
 
 def summarize_longctx_needle(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
     """The needle heat map's data: per (run, corpus) a row per subtask (niah_single,
-    niah_multikey) and needle-depth bin [depth_lo, depth_hi) (dimattn.longctx.needle_scores:
+    niah_multikey) and needle-depth bin [depth_lo, depth_hi) (dimattn.data.longctx.needle_scores:
     score in %, n examples)."""
     rows = []
     for fields, record in _longctx_records(jsons):
         if "needle" not in record:
             raise ValueError(f"run {fields['run']!r} on {fields['corpus']!r}: no needle-depth scores (scored "
-                             "without niah_single, or by an older dimattn.longctx)")  # fmt: skip
+                             "without niah_single, or by an older dimattn.data.longctx)")  # fmt: skip
         rows += [fields | row for row in needle_rows(record["needle"])]
     df = _sort_runs(_as_int(pd.DataFrame(rows, columns=COLUMNS["longctx_needle"])), ["corpus", "split"],
                     tail=["subtask", "depth_lo"])[COLUMNS["longctx_needle"]]  # fmt: skip
@@ -499,7 +499,7 @@ def summarize_fidelity(csvs: Iterable[os.PathLike | str], out_csv: os.PathLike |
     """Concatenate the per-fit fidelity CSVs, one copy of a fit's rows per study it belongs to.
 
     ``studies``: {csv path: [[study, setting_order], ...]} (rules/common.smk fidelity_studies);
-    a CSV it does not list is Table 1's (dimattn.sweeps.MAIN_STUDY, order 0).
+    a CSV it does not list is Table 1's (dimattn.workflow.vocabulary.MAIN_STUDY, order 0).
     """
 
     frames = []
@@ -525,7 +525,7 @@ def summarize_fidelity(csvs: Iterable[os.PathLike | str], out_csv: os.PathLike |
 
 def recall_metrics(probe: dict) -> dict[str, float | None]:
     """{"acc": overall accuracy, "acc,d<lo>-<hi>": accuracy of each distance bin} of a recall
-    probe result (dimattn.recall.score_queries): the bins are the probe's RULER subtasks."""
+    probe result (dimattn.data.recall.score_queries): the bins are the probe's RULER subtasks."""
     return {"acc": probe["accuracy"]} | {
         f"acc,d{b['min_distance']}-{b['max_distance']}": b["accuracy"] for b in probe["by_distance"]
     }
@@ -533,7 +533,7 @@ def recall_metrics(probe: dict) -> dict[str, float | None]:
 
 def suite_metrics(suite: dict) -> dict[str, float]:
     """{"score": the suite's average, "score,<subtask>": each subtask's} of a long-context suite
-    result (dimattn.longctx.score_suite), as fractions (lm-eval's RULER scale, as the recall
+    result (dimattn.data.longctx.score_suite), as fractions (lm-eval's RULER scale, as the recall
     probe's accuracies)."""
     return {"score": suite["average"] / 100} | {f"score,{name}": v["score"] / 100
                                                 for name, v in suite["subtasks"].items()}  # fmt: skip
@@ -542,7 +542,7 @@ def suite_metrics(suite: dict) -> dict[str, float]:
 def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str,
                          studies: dict[str, list[str]] | None = None,
                          needle_csv: os.PathLike | str | None = None) -> pd.DataFrame:  # fmt: skip
-    """Projected models' scores (dimattn.dimpo_scoring.score_projected), long: one row per (study,
+    """Projected models' scores (dimattn.evaluation.projected.score_projected), long: one row per (study,
     model, objective, setting, d', l, kv, task, metric); held-out perplexity as task
     "perplexity:<corpus>", metric "ppl"; the recall probe as task "recall:<corpus>", metrics of
     :func:`recall_metrics`; the long-context suite as task "longctx:<corpus>", metrics of
@@ -586,7 +586,7 @@ def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLik
 
 
 def summarize_latency(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str) -> pd.DataFrame:
-    """The latency rows of every dimpo model (dimattn.latency.latency_to_file), in file order."""
+    """The latency rows of every dimpo model (dimattn.evaluation.latency.latency_to_file), in file order."""
     rows = []
     for path in jsons:
         records = json.loads(Path(path).read_text())
@@ -639,7 +639,7 @@ def _projected_family(record: dict) -> str:
 
 def _frontier_rows(path, record: dict) -> list[dict]:
     """The frontier's rows of one raw output, whichever kind it is: a run's perplexity, recall
-    or long-context record (dimattn.evaluation), or a projected model's (score_projected)."""
+    or long-context record (dimattn.evaluation.scoring), or a projected model's (score_projected)."""
     if "objective" in record and "num_projected" in record:  # a projected model: {probe kind: {corpus: score}}
         fields = {k: record.get(k) for k in DOWNSTREAM_FIELDS if k not in ("share", "scale")}
         scored = [(kind, corpus, entry) for kind in FRONTIER_PROBES for corpus, entry in record.get(kind, {}).items()]
