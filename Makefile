@@ -56,10 +56,10 @@ test: install
 	$(BIN)/pytest -ra --durations=10 -n $(CORES) --dist loadfile
 
 # The paper DAG at a size two CPUs run, against a local stand-in Hub, through profiles/slurm where
-# the machine can host the one-node test cluster (tests/test_rehearsal.py): beyond make test's
+# the machine can host the one-node test cluster (tests/e2e/test_rehearsal.py): beyond make test's
 # 10-minute budget beside the rest of the suite, so a target of its own, which CI runs (.ci/run).
 rehearsal: install
-	DIMATTN_REHEARSAL=1 $(BIN)/pytest -ra tests/test_rehearsal.py
+	DIMATTN_REHEARSAL=1 $(BIN)/pytest -ra tests/e2e/test_rehearsal.py
 
 figures: install $(if $(filter default,$(TIER)),,tiers/$(TIER)/.linked)
 	$(BIN)/snakemake --cores 1 $(TIER_ARGS) figures --config figures_from=published

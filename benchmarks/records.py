@@ -3,7 +3,7 @@
 Every benchmark appends each record it prints to ``benchmarks/records/<script>.jsonl``, filed
 under its run (script, arguments, commit, date, CPU, one-thread fp32 and bf16 matmul peaks;
 benchmarks/_host.py). This writes the page from those files alone, so that no figure on it is
-typed by hand; ``tests/test_docs.py`` checks that the committed page is what this writes.
+typed by hand; ``tests/e2e/test_docs.py`` checks that the committed page is what this writes.
 
     python benchmarks/records.py            # rewrite docs/benchmarks.md
     python benchmarks/records.py --check    # exit 1 where the page is not what the records give

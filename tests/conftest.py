@@ -27,6 +27,14 @@ SLOW_FIRST = ("test_slurm_cluster.py", "test_workflow.py", "test_modeling_projec
               "test_attention.py", "test_reporting_pdflatex.py", "test_reporting_outputs.py")  # fmt: skip
 
 
+# tests/unit/ (quick, one file a module: `pytest tests/unit`) and tests/e2e/ (the workflow end to
+# end, subprocesses, CLIs, training), both run by make test; the helpers lie here in tests/, and a
+# test file may import another's helpers (the smoke run of e2e/test_workflow.py) from either folder.
+HERE = Path(__file__).resolve().parent
+for folder in (HERE, HERE / "e2e", HERE / "unit"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
 # The benchmarks the tests run write no records (benchmarks/_host.py): those come from real runs.
 os.environ["DIMATTN_BENCH_RECORD"] = "0"
 

@@ -1,5 +1,5 @@
 """Raw outputs shaped like the other stages' (built here), their summaries, and table helpers,
-for the tests of dimattn.reporting (tests/test_summaries.py, tests/test_reporting_*.py)."""
+for the tests of dimattn.reporting (tests/unit/test_summaries.py, tests/test_reporting_*.py)."""
 
 from __future__ import annotations
 

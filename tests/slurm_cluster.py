@@ -1,6 +1,6 @@
 """A one-node SLURM cluster on this machine (munged, slurmctld, slurmd as root, no systemd, no
 accounting daemon) for the tests that drive the workflow through profiles/slurm with the local
-overrides of profiles/slurm-test (tests/test_slurm_cluster.py, tests/test_rehearsal.py).
+overrides of profiles/slurm-test (tests/e2e/test_slurm_cluster.py, tests/e2e/test_rehearsal.py).
 
 Needs root and apt (it installs slurmctld, slurmd, slurm-client and munge when they are missing);
 skipped otherwise. The configuration goes to /etc/slurm/slurm.conf (the jobstep executor drops

@@ -300,7 +300,7 @@ def _window_sweeps(ppl: pd.DataFrame | None, recall: pd.DataFrame | None) -> lis
             uniform = one(plain[(plain["attention"] == "uniform") & (plain["d_down"] == d_down).fillna(False)])
             points = {int(r["window"]): spread(r, value) for _, r in sweep.iterrows()}
             # DAR at w = 0 is Uniform at the same d_down (every token through the bottleneck; the
-            # weights are the same, tests/test_model.py), so its w = 0 point needs no run of its own.
+            # weights are the same, tests/unit/test_model.py), so its w = 0 point needs no run of its own.
             if 0 not in points and uniform is not None:
                 points[0] = uniform
             sweeps.append(

@@ -46,7 +46,7 @@ its T keys, with a listwise term over P preferred keys (``max_preferred``, or al
     G        = min(L, max(1, FIT_LOCKSTEP_BYTES // layer))   layers fitted in lockstep (fit_group), one step
                                                  serving them all: every layer of a small capture, one of a large
     mem_mb   = 3 * G * layer / 2^20 + overhead_mb    (FIT_LAYER_COPIES) the layers, their gathered keys and the
-                                                 work (measured 2.3x a layer, tests/test_streamed_layers.py)
+                                                 work (measured 2.3x a layer, tests/e2e/test_streamed_layers.py)
     FLOPs    = L * (E * I * (6 T (h d' + h + d') + 4 T P) + N_eval * H * T^2 * 2 (3 h + d'))
                fit: F(q) F(K)^T beside q K^T, forward and backward, and the pairs; fidelity: psi, pi, psi V - pi V
     runtime  = margin * (FLOPs / throughput + ceil(L / G) * S * step_ms / 1000) / 60 + startup_min
@@ -68,7 +68,7 @@ A hub model's shape is read from its config.json in the local Hugging Face cache
 ``prefetch`` rule fills on the login node; before that (a dry run on a fresh clone) the capture
 asks its configured ``dimpo.resources``.
 
-Checked against measured runs in tests/test_resources.py (the smoke runs' benchmark TSVs).
+Checked against measured runs in tests/e2e/test_resources.py (the smoke runs' benchmark TSVs).
 """
 
 import json

@@ -1,7 +1,7 @@
 """The config schema, ``schemas/config.schema.yaml``: the only home of every default and
 description. The settings classes of the stages (dimattn.data.recall.RecallSettings,
 dimattn.data.longctx.LongContextSettings, dimattn.workflow.sweeps' latency block) read their
-defaults from here and restate none (tests/test_sweeps.py fails on a restated one). No torch.
+defaults from here and restate none (tests/e2e/test_sweeps.py fails on a restated one). No torch.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ MAIN_STUDY = "table1"
 DEFAULT_SETTING = "default"
 CAPTURE_FIELDS = ("capture_dtype", "special_tokens")  # set per capture, so never per fit
 # The objectives whose loss reads DimPO's top-k (dimattn.dimpo.objectives: "k" in Objective.hparams;
-# tests/test_sweeps.py holds the two equal).
+# tests/e2e/test_sweeps.py holds the two equal).
 HEAD_OBJECTIVES = ("dimpo", "dimpo_list")
 
 

@@ -17,7 +17,7 @@ from dimattn.data.corpora import write_documents
 from dimattn.workflow.runs import run_metadata
 from dimattn.model.variants import RUN_FIELDS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_model(**kw):

@@ -34,7 +34,7 @@ from dimattn.pretraining.training import (
 
 torch.set_num_threads(1)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "attention": "dar", "window": 4,
          "d_down": 8}
 # float32: the layouts compared below (micro-batches, DDP) must agree to rounding, which bfloat16 would blur.

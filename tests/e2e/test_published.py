@@ -12,7 +12,7 @@ from reporting_fixtures import REFERENCE, write_full_summaries
 from dimattn.workflow import paths, tiers
 from dimattn.reporting import outputs, published, summaries
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- whole CSVs only

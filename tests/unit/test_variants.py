@@ -10,7 +10,7 @@ import yaml
 from dimattn.model import variants
 from dimattn.model.variants import VARIANTS, check_model, check_values, is_plain, run_fields, run_name
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_attention_registry_implements_exactly_these_variants():

@@ -692,7 +692,7 @@ def test_fit_benchmark_compares_lockstep_with_one_layer_at_a_time(tmp_path, caps
 
     from dimattn.workflow import resources
 
-    spec = importlib.util.spec_from_file_location("bench_fit", Path(__file__).parents[1] / "benchmarks" / "fit.py")
+    spec = importlib.util.spec_from_file_location("bench_fit", Path(__file__).parents[2] / "benchmarks" / "fit.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     budget = resources.FIT_LOCKSTEP_BYTES

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SNAKEMAKE = [str(BIN / "snakemake"), "--snakefile", str(REPO / "Snakefile")]
 DEFAULT = yaml.safe_load((REPO / "config.yaml").read_text())
@@ -124,7 +124,7 @@ def test_slurm_profile_builds_the_paper_dag(paper_dry_run):
     assert "Using profile slurm for setting default command line arguments" in text
 
 
-# Every bad config is tried in-process against dimattn.workflow.sweeps (tests/test_sweeps.py); these few
+# Every bad config is tried in-process against dimattn.workflow.sweeps (tests/e2e/test_sweeps.py); these few
 # go through snakemake itself, so the message a user sees is checked too.
 BAD_CONFIGS = {
     # a bare KeyError: 'window' from common.smk before dimattn.workflow.sweeps

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 READMES = [REPO / "README.md", *(p for p in sorted(REPO.glob("*/README.md")) if not p.parent.name.startswith("."))]
 TEXT_FILES = sorted(
     [*READMES, *REPO.glob("dimattn/**/*.py"), *REPO.glob("rules/*.smk"),
-     *REPO.glob("workflow_scripts/*.py"), *REPO.glob("tests/*.py"), *REPO.glob("benchmarks/*.py"),
+     *REPO.glob("workflow_scripts/*.py"), *REPO.glob("tests/**/*.py"), *REPO.glob("benchmarks/*.py"),
      *REPO.glob("report/*.rst"), REPO / "schemas/config.schema.yaml", REPO / "Snakefile"]
 )
 DOTTED = re.compile(r"\bdimattn(?:\.[A-Za-z_][A-Za-z0-9_]*)+")

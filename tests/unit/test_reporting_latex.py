@@ -51,7 +51,7 @@ def test_failed_write_keeps_previous_file(tmp_path):
 
 
 def test_templates_ship_with_the_package():
-    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     shipped = re.search(r'^dimattn = \["(.*)"\]', pyproject, re.M).group(1)
     templates = sorted(Path(latex.__file__).resolve().parents[1].glob(shipped))
     assert [p.name for p in templates] == sorted(p.name for p in latex.TEMPLATE_DIR.glob("*.tex.j2"))

@@ -20,7 +20,7 @@ from dimattn.data.corpora import LOAD_FLAGS
 from dimattn.data.recall import RecallSettings, build_tokenizer
 from dimattn.pretraining.training import TrainConfig, _export
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "warning"}
 
 

@@ -12,7 +12,7 @@ from dimattn.workflow import checks, sweeps
 
 from dimattn.model import variants
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT = yaml.safe_load((REPO / "config.yaml").read_text())
 SMOKE = yaml.safe_load((REPO / "configs/smoke.yaml").read_text())
 

@@ -17,7 +17,7 @@ from huggingface_hub.utils import filter_repo_objects
 from dimattn.workflow import resources
 from dimattn.evaluation.projected import HUB_MODEL_FILES, HUB_MODEL_SKIP
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # The workflow as Snakemake parses it (in a fresh process: parsing sets the environment).
 PARSE = """

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HOST_FIELDS = {"cpu_model", "cpus", "torch", "cpu_capability", "cpu_flags", "bf16_native", "peak_threads", "peak_n",
                "host_fp32_peak_gflops", "host_bf16_peak_gflops"}  # fmt: skip
 XEON = """processor\t: 0

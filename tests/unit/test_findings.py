@@ -9,7 +9,7 @@ import pytest
 
 from dimattn.reporting import findings, summaries
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLAIM = {"id": "t", "seed": "000", "where": "Table 1", "claim": "A beats B", "summary": "dar_perplexity",
          "value": "ppl", "better": "lower", "a": {"attention": "dar"}, "b": {"attention": "uniform"},
          "match": ["corpus"]}  # fmt: skip

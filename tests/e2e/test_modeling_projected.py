@@ -29,7 +29,7 @@ from dimattn.model.modeling_projected import (
 )
 
 D_PRIME = 4
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def llama():
@@ -384,7 +384,7 @@ def test_lm_eval_cli_scores_a_projected_tiny_llama_on_our_task_and_ruler(tmp_pat
     # 10 s of CPU); the chat template (the text and a newline) and RULER's metadata reach our task too.
     out = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "hf", "--model_args",
                           f"pretrained={projected},trust_remote_code=True", "--tasks", "dimattn_next_line,niah_single_1",
-                          "--include_path", str(Path(__file__).parents[1] / "dimattn/evaluation/lm_eval_tasks"), "--limit", "2",
+                          "--include_path", str(Path(__file__).parents[2] / "dimattn/evaluation/lm_eval_tasks"), "--limit", "2",
                           "--batch_size", "1", "--apply_chat_template", "--metadata",
                           json.dumps({"max_seq_lengths": [2048]}), "--output_path", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path,

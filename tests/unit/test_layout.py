@@ -1,5 +1,5 @@
 """The package shows the architecture: one subpackage a stage, data flowing one way between them
-(no import cycle: tests/test_imports.py), no module over 700 lines, and dimattn/model/ self-contained (it travels beside
+(no import cycle: tests/unit/test_imports.py), no module over 700 lines, and dimattn/model/ self-contained (it travels beside
 every checkpoint, loaded with trust_remote_code in a process that may not have dimattn)."""
 
 import ast
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from test_imports import import_graph
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "dimattn"
 # Each stage may import the stages before it, never one after: data flows one way.
 LAYERS = {

@@ -24,7 +24,7 @@ import yaml
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENVS = REPO / "envs"
 RULE_FILES = [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk"))]
 PACKAGE = "dimattn"

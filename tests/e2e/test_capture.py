@@ -96,7 +96,7 @@ def test_capture_peaks_at_about_one_copy_of_the_captured_tensors(measured):
 def test_capture_estimate_covers_the_measured_streamed_capture(measured):
     """dimattn.workflow.resources' capture estimate of the same shape and work covers the measured peak."""
     m = measured
-    default = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())
+    default = yaml.safe_load((Path(__file__).resolve().parents[2] / "config.yaml").read_text())
     cluster = sweeps.validate(default)["cluster"]
     shape = dict(layers=8, heads=8, kv_heads=2, head_dim=32, params=m["model"] // 4)
     asks = resources.capture(shape, 16, 512, "float32", {"mem_mb": 1, "runtime": 1}, "cpu", cluster)

@@ -15,7 +15,7 @@ from snakemake.utils import update_config
 
 from dimattn.workflow import paths, resources, sweeps
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = [str(Path(sys.executable).parent / "snakemake"), "--snakefile", str(REPO / "Snakefile")]
 RULE_FILES = sorted((REPO / "rules").glob("*.smk"))
 
@@ -239,7 +239,7 @@ def test_scoring_estimates_cover_the_measured_jobs(rule):
     assert seconds / 60 <= estimate["runtime"] <= CLUSTER["startup_min"] + 5 * seconds / 60  # startup_min dominates
 
 
-# The capture estimate against a measured streamed capture: tests/test_capture.py, which makes
+# The capture estimate against a measured streamed capture: tests/e2e/test_capture.py, which makes
 # that measurement (a subprocess of about 10 s) once for both of its checks.
 
 

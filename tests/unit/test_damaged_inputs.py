@@ -29,7 +29,7 @@ from dimattn.pretraining.training import TrainConfig, TrainingError, pretrain
 
 torch.set_num_threads(1)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "attention": "dar", "window": 4,
          "d_down": 8}
 CFG = TrainConfig(seq_len=16, batch_size=4, max_steps=2, lr=3e-3, warmup_frac=0.2, eval_interval=2,

@@ -312,6 +312,6 @@ def test_summarize_trajectory_needs_no_torch(tmp_path):
         f"summaries.summarize_trajectory([Path(p) for p in {[str(d) for d in dirs]!r}], Path({str(tmp_path / 't.csv')!r}))\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2]
     )
     assert result.returncode == 0, result.stderr[-2000:]

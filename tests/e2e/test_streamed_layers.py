@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from dimattn.workflow import resources  # noqa: E402
 from dimattn.dimpo.capture_files import save_capture  # noqa: E402

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-spec = importlib.util.spec_from_file_location("key_matching", Path(__file__).parents[1] / "benchmarks" / "key_matching.py")
+spec = importlib.util.spec_from_file_location("key_matching", Path(__file__).parents[2] / "benchmarks" / "key_matching.py")
 km = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(km)
 V = km.V

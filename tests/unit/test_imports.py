@@ -12,7 +12,7 @@ package's ``__init__`` is not an edge: ``dimattn/__init__.py`` defers its import
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "dimattn"
 # The torch-free core: what planning (the DAG) and the reporting stage's inputs import.
 CORE = ["dimattn.workflow.sweeps", "dimattn.model.variants", "dimattn.workflow.paths", "dimattn.workflow.reference", "dimattn.workflow.formats",
