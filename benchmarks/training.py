@@ -40,7 +40,6 @@ wall seconds of a job) and prints the seconds summed per rule, largest first, th
 """
 
 import argparse
-import csv
 import json
 import re
 import statistics
@@ -59,26 +58,17 @@ def emit(record: dict) -> None:
 
 # --- Snakemake benchmark files -------------------------------------------------------------------
 
-def rule_of(path: Path, root: Path) -> str:
-    """The rule a benchmark file belongs to: the folder it lies in (dimattn.workflow.paths.bench)."""
-    return path.relative_to(root).parts[0]
-
-
 def dag_times(root: Path) -> None:
     """Job-seconds per rule of a finished run, each line with this host's bf16 peak: run it on the
     host that ran the DAG."""
     from benchmarks._host import reporter
 
+    from dimattn.reporting.published import job_seconds
+
     emit = reporter()
-    seconds, jobs = defaultdict(float), defaultdict(int)
-    for path in sorted(root.rglob("*.tsv")):
-        with open(path, newline="") as f:
-            rows = [r for r in csv.DictReader(f, delimiter="\t") if r.get("s") not in (None, "", "NA")]
-        if not rows:
-            continue
-        rule = rule_of(path, root)
-        seconds[rule] += sum(float(r["s"]) for r in rows)
-        jobs[rule] += 1
+    per_rule = job_seconds(root)
+    seconds = {rule: s for rule, (_, s) in per_rule.items()}
+    jobs = {rule: j for rule, (j, _) in per_rule.items()}
     total = sum(seconds.values())
     for rule in sorted(seconds, key=seconds.get, reverse=True):
         emit({"name": "dag_rule_seconds", "rule": rule, "wall_s": round(seconds[rule], 3), "jobs": jobs[rule],

@@ -82,18 +82,21 @@ def verify(published_dir: os.PathLike | str) -> dict:
     return manifest
 
 
-def _job_seconds(bench_dir: Path, since: float) -> tuple[int, float]:
-    """Jobs and their summed seconds: the Snakemake benchmark files written since ``since``."""
-    jobs, seconds = 0, 0.0
+def job_seconds(bench_dir: os.PathLike | str, since: float = 0.0) -> dict[str, tuple[int, float]]:
+    """{rule: (jobs, summed seconds)} of the Snakemake benchmark files under ``bench_dir``
+    (``<rule>/*.tsv``, column ``s``, dimattn.workflow.paths.bench) written since ``since``; also
+    what benchmarks/training.py --dag-times prints."""
+    bench_dir, out = Path(bench_dir), {}
     for path in sorted(bench_dir.rglob("*.tsv")):
         if path.stat().st_mtime < since:
             continue
         with open(path, newline="") as f:
             rows = [r for r in csv.DictReader(f, delimiter="\t") if r.get("s") not in (None, "", "NA")]
         if rows:
-            jobs += 1
-            seconds += sum(float(r["s"]) for r in rows)
-    return jobs, seconds
+            rule = path.relative_to(bench_dir).parts[0]
+            jobs, seconds = out.get(rule, (0, 0.0))
+            out[rule] = (jobs + 1, seconds + sum(float(r["s"]) for r in rows))
+    return out
 
 
 def _commit(repo: Path) -> tuple[str, bool]:
@@ -147,7 +150,8 @@ def publish(tier: str, workdir: os.PathLike | str = ".", dest_root: os.PathLike 
             if not ran.is_file() or ran.read_bytes() != table.read_bytes():
                 raise PublishedError(f"{ran}: not what the summaries render ({table.name} differs or is missing); "
                                      "rerun the workflow so that its tables are current")
-    jobs, job_seconds = _job_seconds(workdir / paths.BENCH, record["invocations"][0]["started"])
+    per_rule = job_seconds(workdir / paths.BENCH, record["invocations"][0]["started"])
+    jobs, job_seconds_ = sum(j for j, _ in per_rule.values()), sum(s for _, s in per_rule.values())
     last = record["invocations"][-1]
     manifest = {
         "tier": tier,
@@ -156,7 +160,7 @@ def publish(tier: str, workdir: os.PathLike | str = ".", dest_root: os.PathLike 
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last["finished"])),
         "cpu": {"model": record["cpu_model"], "cores": os.cpu_count(), "bf16_peak_gflops": _bf16_peak()},
         "jobs": jobs,
-        "job_seconds": round(job_seconds, 1),
+        "job_seconds": round(job_seconds_, 1),
         "wall_seconds": round(tiers.wall_seconds(record), 1),
         "invocations": len(record["invocations"]),
         "config_sha256": record["config_sha256"],
