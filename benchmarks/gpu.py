@@ -354,7 +354,7 @@ def train_step(device, small, peak, repeats):
     if not cuda:
         skipped("train", "torch.compile",
                 f"dimattn.pretraining.training compiles on CUDA only (training.compile is ignored on {device.type})")
-    cfg = TrainConfig(seq_len=T, batch_size=B, lr=1e-3, precision="bf16", compile=cuda)  # lr: Pythia-70M's
+    cfg = TrainConfig(seq_len=T, batch_size=B, max_steps=1, lr=1e-3, precision="bf16", compile=cuda)  # lr: Pythia-70M's
     x = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(0)).to(device)
     cases, flops, params = {}, {}, {}
     d = arch["hidden_size"]

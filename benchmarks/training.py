@@ -235,11 +235,12 @@ def bench_training(args) -> None:
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as training.py does on CPU
     arch, train, dar, vocab = default_model(args.config, args.d_down, args.scale)
+    # the scale's recipe, the schema's defaults where it sets none
+    cfg = TrainConfig.from_dict({k: train[k] for k in ("seq_len", "batch_size", "max_steps", "lr", "precision") if k in train})
     # resolved first, so that a wrong name fails before the timings
-    profiled = resolve_precision(args.profile_precision or train.get("precision", "auto"), "cpu")
+    profiled = resolve_precision(args.profile_precision or cfg.precision, "cpu")
     emit = reporter()
-    seq_len, batch = train["seq_len"], train["batch_size"]
-    cfg = TrainConfig(seq_len=seq_len, batch_size=batch, lr=train.get("lr", 1e-3))
+    seq_len, batch = cfg.seq_len, cfg.batch_size
     x, labels = corpus_batch(args.config, args.scale, batch, vocab, seq_len)
     answers_only = bool((labels == -100).any())
 

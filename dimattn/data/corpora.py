@@ -31,6 +31,7 @@ import numpy as np
 
 from dimattn.model.atomic import atomic_dir, atomic_file, remove_stale_temps
 from dimattn.workflow.paths import SPLITS
+from dimattn.workflow.schema import dataset_defaults
 from dimattn.workflow.splits import range_errors
 
 EOS_TOKEN, BOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|bos|>", "<|pad|>"
@@ -307,6 +308,7 @@ def prepare_hf_corpus(spec: dict, out_dir) -> dict[str, int]:
     import datasets
 
     _require(spec, ["path", "text_field", "splits"], "hf corpus")
+    spec = dataset_defaults("huggingface") | spec  # a spec not validated by the workflow (tests, the CLI)
     _check_ranges(spec["splits"])
     path, field = spec["path"], spec["text_field"]
     out_dir, counts = Path(out_dir), {}
@@ -314,7 +316,7 @@ def prepare_hf_corpus(spec: dict, out_dir) -> dict[str, int]:
         for ours, r in spec["splits"].items():
             try:
                 ds = datasets.load_dataset(
-                    path, spec.get("name"), split=r["split"], streaming=spec.get("streaming", True)
+                    path, spec["name"], split=r["split"], streaming=spec["streaming"]
                 )
             except (ValueError, FileNotFoundError) as e:
                 raise DataError(f"cannot load {path!r} split {r['split']!r}: {e}") from e

@@ -109,7 +109,7 @@ _DEFAULTS = dataset_defaults("synthetic_longctx")
 class LongContextSettings:
     """Generator settings; every field is checked, and an error names the field."""
 
-    seq_len: int = 256  # tokens per example, bos and eos included
+    seq_len: int  # tokens per example, bos and eos included (the schema requires it)
     subtasks: tuple[str, ...] = tuple(_DEFAULTS["subtasks"])
     n_keys: int = _DEFAULTS["n_keys"]  # needle keys, variable names and document titles
     n_values: int = _DEFAULTS["n_values"]  # needle values, chain values and facts
@@ -512,7 +512,7 @@ def find_answers(examples: np.ndarray, layout: dict) -> list[tuple[str, int]]:
     is_task, is_mark = np.isin(examples, list(by_id)), examples == layout["query_id"]
     ok = (is_task.sum(1) == 1) & (is_mark.sum(1) == 1) & (examples[:, 0] == BOS_ID) & (examples[:, -1] == EOS_ID)
     task_pos, mark_pos = is_task.argmax(1), is_mark.argmax(1)
-    first = layout.get("question_first", False)
+    first = layout["question_first"]
     out = []
     for i in range(n):
         task = by_id.get(int(examples[i, task_pos[i]]))
@@ -603,14 +603,14 @@ def needle_depths(examples: np.ndarray, answers: list[tuple[str, int]], layout: 
     """The asked needle's depth per example of NEEDLE_TASKS (row -> its start as a share of the
     places a needle could start, 0 .. 1, as ``needle_depth`` places it): the asked key, which
     only its needle holds in the context."""
-    out, fused = {}, layout.get("needles", "tokens") == "fused"
+    out, fused = {}, layout["needles"] == "fused"
     (k0, _), (v0, v1) = layout["key_ids"], layout["value_ids"]
     for i, (task, prompt) in enumerate(answers):
         if task not in NEEDLE_TASKS:
             continue
         q_len = layout["question_lengths"][task]
         # the question's key: <|task|> k <|query|>, or <|task|> <|query|> k
-        key = examples[i, prompt - q_len + int(layout.get("question_first", False))]
+        key = examples[i, prompt - q_len + int(layout["question_first"])]
         context = examples[i, 1 : prompt - 1 - q_len]
         if fused:  # the needle is the pair token of that key (LongContextSettings.statement)
             first = layout["pair_ids"][0] + (key - k0) * (v1 - v0)

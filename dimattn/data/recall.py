@@ -78,7 +78,7 @@ _DEFAULTS = dataset_defaults("synthetic_recall")
 class RecallSettings:
     """Generator settings; every field is checked, and an error names the field."""
 
-    seq_len: int = 128  # tokens per example, bos and eos included
+    seq_len: int  # tokens per example, bos and eos included (the schema requires it)
     n_pairs: int = _DEFAULTS["n_pairs"]  # key-value pairs at the start of each example
     n_keys: int = _DEFAULTS["n_keys"]  # key vocabulary (>= n_pairs: keys in an example are distinct)
     n_values: int = _DEFAULTS["n_values"]  # value vocabulary
@@ -369,7 +369,7 @@ def find_queries(examples: np.ndarray, layout: dict) -> np.ndarray:
     (k0, k1), (v0, v1) = layout["key_ids"], layout["value_ids"]
     if L != layout["seq_len"]:
         raise DataError(f"examples have length {L}, the layout says {layout['seq_len']}")
-    fused = layout.get("fused_pairs", False)
+    fused = layout["fused_pairs"]
     stride = 1 if fused else 2
     if fused:  # back from k{i}v{j} to the key and value ids the queries use
         f0, f1 = layout["fused_ids"]
@@ -386,7 +386,7 @@ def find_queries(examples: np.ndarray, layout: dict) -> np.ndarray:
     is_key[:, : 1 + stride * P] = False
     bad |= is_key[:, :start].any(1) | (is_key.sum(1) != Q)
     ex, qpos = np.nonzero(is_key)
-    marker = layout.get("query_marker", False)
+    marker = layout["query_marker"]
     if marker:  # the key, then the marker; a key at L-2 has no room for either
         is_marker = examples == layout["query_id"]
         bad |= is_marker.sum(1) != Q

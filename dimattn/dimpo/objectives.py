@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dimattn.workflow.schema import dimpo_presets
+
 # Pair terms of the listwise loss are built at most this many at a time.
 PAIR_CHUNK_ELEMENTS = 1 << 22
 LIST_EPS = 1e-8  # s_i = beta log max(p_i, LIST_EPS) (DimPOLoss eps)
@@ -330,7 +332,8 @@ class Objective:
 
     ``kind``: closed (a ``fit``), list, pair or triplet (a ``loss``). ``hparams``: keyword
     arguments of ``loss`` read from the fit settings. ``defaults``: the authors' per-objective
-    settings (run_projection_experiment.py), applied over a preset and under explicit hparams.
+    settings (run_projection_experiment.py; schemas/dimpo_presets.yaml), applied over a preset and
+    under explicit hparams.
     """
 
     name: str
@@ -359,7 +362,8 @@ class Objective:
 
 
 _LIST = ("beta", "gamma", "delta", "normalise", "max_preferred")
-_DIMPO = dict(lr=1e-4, batch_size=1, beta=1.0, gamma=1e-4)
+# Each objective's own settings (the authors' lr, batch, margins): schemas/dimpo_presets.yaml.
+_OWN = dimpo_presets()["objectives"]
 
 
 def _fit_random(queries, keys, d_prime, *, generator=None, center=True):
@@ -370,8 +374,8 @@ def _fit_pca(queries, keys, d_prime, *, generator=None, center=True):
     return pca_projection(queries, keys, d_prime, center)
 
 
-def _objective(name, kind, loss=None, hparams=(), fit=None, **defaults):
-    return Objective(name, kind, loss, tuple(hparams), tuple(defaults.items()), fit)
+def _objective(name, kind, loss=None, hparams=(), fit=None):
+    return Objective(name, kind, loss, tuple(hparams), tuple(_OWN.get(name, {}).items()), fit)
 
 
 OBJECTIVES: dict[str, Objective] = {
@@ -379,16 +383,15 @@ OBJECTIVES: dict[str, Objective] = {
     for o in [
         _objective("random", "closed", fit=_fit_random),
         _objective("pca", "closed", fit=_fit_pca),
-        _objective("triplet", "triplet", triplet_loss, ("margin",), lr=1e-4, batch_size=32, margin=0.1),
-        _objective("cpo", "pair", cpo_loss, ("beta", "lam"), lr=1e-4, batch_size=32, beta=1.0, lam=0.1),
-        _objective("simpo", "pair", simpo_loss, ("beta", "gamma"), lr=1e-3, batch_size=32, beta=1.0, gamma=1.0),
-        _objective("orpo", "pair", orpo_loss, ("lam",), lr=1e-3, batch_size=32, lam=0.1),
-        _objective("kl", "list", kl_loss, lr=1e-4, batch_size=1),
-        # k: the authors' 64 of 4,096 keys as a share, resolved per capture (FitSettings.k_share)
-        _objective("dimpo", "list", dimpo_loss, (*_LIST, "k", "lam"), **_DIMPO, k_share=1 / 64, lam=1.0),
-        # Table 1's "DimPO (k=0, lambda=0)": the listwise term alone.
-        _objective("dimpo_list", "list", dimpo_loss, (*_LIST, "k", "lam"), **_DIMPO, k=0, lam=0.0),
-        _objective("dimpo_kl", "list", dimpo_kl_loss, (*_LIST, "kl_weight"), **_DIMPO, kl_weight=1.0),
+        _objective("triplet", "triplet", triplet_loss, ("margin",)),
+        _objective("cpo", "pair", cpo_loss, ("beta", "lam")),
+        _objective("simpo", "pair", simpo_loss, ("beta", "gamma")),
+        _objective("orpo", "pair", orpo_loss, ("lam",)),
+        _objective("kl", "list", kl_loss),
+        _objective("dimpo", "list", dimpo_loss, (*_LIST, "k", "lam")),
+        # Table 1's "DimPO (k=0, lambda=0)": the listwise term alone (its k and lambda: the presets file).
+        _objective("dimpo_list", "list", dimpo_loss, (*_LIST, "k", "lam")),
+        _objective("dimpo_kl", "list", dimpo_kl_loss, (*_LIST, "kl_weight")),
     ]
 }
 

@@ -75,7 +75,7 @@ class Instances:
     query: torch.Tensor  # (n, d)
     keys_source: torch.Tensor  # (N, H_kv, T, d), the layer's captured keys (not copied)
     groups: int  # query heads per key/value head
-    causal: bool = False
+    causal: bool
     key_subset: torch.Tensor | None = None  # (N, H_kv, n_keys) sampled key positions
     far_keys_source: torch.Tensor | None = None  # (N, H_kv, T, d), a DAR / uniform layer's far keys
     window: int = 0  # keys beyond it are far (near_mask)
@@ -441,7 +441,7 @@ def fidelity_to_file(capture_path, projections_path, out_csv, model_name: str, o
     train = score(settings.train_scale, top_k)  # a logit scale does not reorder keys: top-k once
     inference = train if settings.inference_scale == settings.train_scale else score(settings.inference_scale)
     fit = {"model": model_name, "objective": objective, "setting": setting, "d_prime": d_prime,
-           "head_dim": meta["head_dim"], "seed": int(pmeta.get("seed", 0))}  # fmt: skip
+           "head_dim": meta["head_dim"], "seed": int(pmeta["seed"])}  # fmt: skip
     rows = [
         fit | {"layer": t["layer"], "kl": t["kl"], "mse": t["mse"], "kl_inference": i["kl"], "mse_inference": i["mse"],
                "top_k": top_k, "topk_recall": t["topk_recall"]}

@@ -13,6 +13,7 @@ from dimattn.model.atomic import write_json
 from dimattn.data.corpora import load_tokens
 from dimattn.evaluation.scoring import in_dtype, lm_eval_results, load_model, perplexity
 from dimattn.evaluation.lm_eval_tasks import TASKS_DIR, own_task_names
+from dimattn.workflow.schema import task_defaults
 from dimattn.workflow.settings import downstream_tasks
 
 
@@ -99,7 +100,7 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
             record["longctx"][corpus] = score_suite(model, path, batch_size)
     tasks = downstream_tasks(tasks, fields.get("d_prime", 0))  # a task's d_prime: the widths it scores
     # lm-eval scores the loaded model where a task is in its dtype; else it is freed first
-    if model is not None and not any(in_dtype(model, t.get("dtype", "float32")) for t in tasks):
+    if model is not None and not any(in_dtype(model, (task_defaults() | t)["dtype"]) for t in tasks):
         model = None
     if tasks:
         record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata,

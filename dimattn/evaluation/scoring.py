@@ -21,6 +21,7 @@ from dimattn.data.corpora import load_tokens, read_documents
 from dimattn.evaluation.lm_eval_tasks import TASKS_DIR, own_task_names
 from dimattn.pretraining.precision import autocast, resolve_precision
 from dimattn.workflow.runs import run_metadata
+from dimattn.workflow.schema import task_defaults
 
 # The workflow's own lm-eval tasks: YAMLs in TASKS_DIR, data written by write_lm_eval_data.
 HELDOUT_TASK = "dimattn_heldout"  # loglikelihood_rolling over held-out documents
@@ -233,9 +234,11 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
     results, configs, failed, filtered = {}, {}, {}, {}
     lm, lm_key = None, None
 
+    # a task's own settings over the block's (batch_size, dtype) over the schema's
+    tasks = [task_defaults() | {"batch_size": batch_size, "dtype": dtype} | t for t in tasks]
+
     def key(t):
-        return (t.get("dtype", dtype), t.get("batch_size", batch_size), t.get("num_fewshot", 0),
-                bool(t.get("chat_template", False)))  # fmt: skip
+        return t["dtype"], t["batch_size"], t["num_fewshot"], bool(t["chat_template"])
 
     # grouped by model settings, so the model loads once a (dtype, batch size)
     for t in sorted(tasks, key=key):

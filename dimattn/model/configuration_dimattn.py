@@ -3,7 +3,7 @@
 from transformers import PretrainedConfig
 
 from .attention import ATTENTION_VARIANTS, KERNELS
-from .variants import check_values
+from .variants import DEFAULT_BOTTLENECK, check_values
 
 
 class DimAttnConfig(PretrainedConfig):
@@ -42,7 +42,7 @@ class DimAttnConfig(PretrainedConfig):
         attention: str = "vanilla",
         window: int = 128,
         d_down: int | None = None,
-        bottleneck_activation: str = "linear",
+        bottleneck_activation: str = DEFAULT_BOTTLENECK,
         dilation: int = 4,
         full_attention_every: int | None = None,
         attention_layers: list[int] | None = None,

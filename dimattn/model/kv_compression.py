@@ -73,12 +73,13 @@ def _check_kv(keys: Tensor, values: Tensor) -> None:
 
 @dataclass(frozen=True)
 class SnapKVSettings:
-    """budget: tokens kept per KV head, window included; window: observation window (the
-    authors' default 32); kernel: average-pooling kernel (their default 5)."""
+    """budget: tokens kept per KV head, window included; window: observation window; kernel:
+    average-pooling kernel. No defaults here: the schema's (the authors' 32 and 5) arrive with
+    the config, and travel in the projected model's config.json."""
 
     budget: int
-    window: int = 32
-    kernel: int = 5
+    window: int
+    kernel: int
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -179,11 +180,12 @@ def fake_quantize(x: Tensor, bits: int, group_size: int, dim: int) -> Tensor:
 @dataclass(frozen=True)
 class KIVISettings:
     """bits: 2 or 4 (KIVI-2, KIVI-4), keys and values alike; group_size: G; residual: R, the
-    full-precision tokens, a multiple of G as KIVI asserts."""
+    full-precision tokens, a multiple of G as KIVI asserts. No defaults here: the schema's
+    (KIVI's 32 and 128) arrive with the config."""
 
     bits: int
-    group_size: int = 32
-    residual: int = 128
+    group_size: int
+    residual: int
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 4):

@@ -48,7 +48,7 @@ PATTERN_KEYS = frozenset({"full_attention_every", "attention_layers"})
 # Sweep keys whose list values expand as a cartesian product, in run-name order.
 SWEPT_KEYS = ("window", "d_down", "dilation")
 BOTTLENECK_ACTIVATIONS = ("linear", "sigmoid")
-DEFAULT_BOTTLENECK = "linear"  # seed 000's choice; DimAttnConfig's default
+DEFAULT_BOTTLENECK = "linear"  # seed 000's choice: the model's own default (DimAttnConfig), which travels without the schema
 
 # The columns that identify a run in every summary; a field its variant does not take is empty.
 RUN_FIELDS = [

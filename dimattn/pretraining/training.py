@@ -43,6 +43,7 @@ from dimattn.model.configuration_dimattn import DimAttnConfig
 from dimattn.data.corpora import load_loss_mask, load_tokens, save_tokenizer
 from dimattn.model.modeling_dimattn import DimAttnForCausalLM
 from dimattn.pretraining.precision import PRECISIONS, autocast, resolve_precision
+from dimattn.workflow.schema import defaults_at
 from dimattn.workflow.settings import from_mapping
 
 METRICS_COLUMNS = ["step", "tokens", "lr", "train_loss", "val_loss"]
@@ -58,27 +59,31 @@ class TrainingError(RuntimeError):
     pass
 
 
+# a scale's training recipe: every default and description is the schema's (pretraining.scales.*.training)
+_DEFAULTS = defaults_at("pretraining", "scales", "*", "training")
+
+
 @dataclass
 class TrainConfig:
-    seq_len: int = 256
-    batch_size: int = 8  # global: sequences per optimizer step, summed over all processes
-    micro_batch_size: int | None = None  # sequences per forward pass per process; None: batch_size // world_size
-    max_steps: int = 200
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_frac: float = 0.01
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    eval_interval: int = 50
-    eval_batches: int = 4  # global batches of fixed validation windows per evaluation
-    checkpoint_interval: int = 50
-    seed: int = 0
-    precision: str = "auto"  # "bf16": autocast matmuls to bfloat16, loss fp32; "auto": bf16 where native
-    compile: bool = False  # torch.compile the model; CUDA only, ignored on CPU
-    data_order: str = "random"  # "sequential": Pythia's fixed order, epoch after epoch (batch_starts)
+    seq_len: int
+    batch_size: int  # global: sequences per optimizer step, summed over all processes
+    max_steps: int
+    micro_batch_size: int | None = _DEFAULTS["micro_batch_size"]  # per forward pass per process
+    lr: float = _DEFAULTS["lr"]
+    min_lr: float = _DEFAULTS["min_lr"]
+    warmup_frac: float = _DEFAULTS["warmup_frac"]
+    weight_decay: float = _DEFAULTS["weight_decay"]
+    beta1: float = _DEFAULTS["beta1"]
+    beta2: float = _DEFAULTS["beta2"]
+    eps: float = _DEFAULTS["eps"]
+    grad_clip: float = _DEFAULTS["grad_clip"]
+    eval_interval: int = _DEFAULTS["eval_interval"]
+    eval_batches: int = _DEFAULTS["eval_batches"]
+    checkpoint_interval: int = _DEFAULTS["checkpoint_interval"]
+    seed: int = _DEFAULTS["seed"]
+    precision: str = _DEFAULTS["precision"]
+    compile: bool = _DEFAULTS["compile"]  # CUDA only, ignored on CPU
+    data_order: str = _DEFAULTS["data_order"]
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from dimattn.workflow.schema import dimpo_presets
 from dimattn.workflow.settings import key_list_length, resolve_top_k
 from dimattn.workflow.vocabulary import (
     CAPTURE_FIELDS,
@@ -272,7 +273,8 @@ def _check_top_k(p) -> None:
                         values |= {"k": None, "k_share": None, name: layer[name]}
                         source = f"{key}.{name}"
                 values |= {name: layer[name] for name in ("lam", "num_sampled_keys") if name in layer}
-            if source is None or values.get("lam", 1) == 0:
+            own = dimpo_presets()["defaults"] | dimpo_presets()["objectives"].get(fit.objective, {})
+            if source is None or values.get("lam", own["lam"]) == 0:
                 continue
             n_keys = key_list_length(seq_len, values.get("num_sampled_keys"))
             k = resolve_top_k(values["k"], values["k_share"], n_keys)

@@ -75,6 +75,7 @@ import json
 import math
 import os
 
+from dimattn.workflow.schema import dimpo_presets
 from dimattn.workflow.settings import downstream_tasks
 
 MIB = 2**20
@@ -338,7 +339,7 @@ def first_attempts(plan) -> dict:
         for resource, value in asks.items():
             check_node(f"pretraining.scales.{run.scale}.resources.{resource}", resource, value, cluster)
         out["pretrain"][name] = asks
-    capture_dtype = plan.dimpo["hparams"].get("capture_dtype", "float32")
+    capture_dtype = plan.dimpo["hparams"].get("capture_dtype", dimpo_presets()["defaults"]["capture_dtype"])
     for model, spec in plan.dimpo_models.items():
         shape = run_shape(run.model, vocab, run.training["seq_len"]) if (run := plan.runs.get(spec.get("run"))) else \
             hub_shape(spec["hub"])

@@ -1,7 +1,9 @@
-"""The config schema, ``schemas/config.schema.yaml``: the only home of every default and
+"""The config schema, ``schemas/config.schema.yaml``, and DimPO's presets beside it
+(``schemas/dimpo_presets.yaml``, which the schema validates): the only home of every default and
 description. The settings classes of the stages (dimattn.data.recall.RecallSettings,
-dimattn.data.longctx.LongContextSettings, dimattn.workflow.sweeps' latency block) read their
-defaults from here and restate none (tests/e2e/test_sweeps.py fails on a restated one). No torch.
+dimattn.data.longctx.LongContextSettings, dimattn.dimpo.fit_settings.FitSettings, the objectives'
+own settings, dimattn.workflow.sweeps' latency block) read their defaults from here and restate
+none (tests/unit/test_defaults.py fails on a restated one). No torch.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import functools
 from pathlib import Path
 
 SCHEMA = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
+PRESETS = SCHEMA.with_name("dimpo_presets.yaml")
 
 
 @functools.cache
@@ -34,9 +37,42 @@ def dataset_defaults(source: str) -> dict:
     raise KeyError(f"no dataset source {source!r} in {SCHEMA}")
 
 
+def task_defaults() -> dict:
+    """{key: default} of an lm-eval task entry (dimpo.downstream.tasks[]: num_fewshot, batch_size,
+    chat_template, dtype; evaluation.lm_eval.tasks[] gives its batch_size and dtype once a block)."""
+    return defaults_at("dimpo", "downstream", "tasks", "[]")
+
+
 def defaults_at(*keys: str) -> dict:
-    """{key: default} of the properties of the schema object at ``keys`` (properties path)."""
+    """{key: default} of the properties of the schema object at ``keys``: a path of property
+    names, "*" for any key of a mapping (additionalProperties), "[]" for an array's items."""
     node = _schema()
     for key in keys:
-        node = node["properties"][key]
+        node = node["additionalProperties"] if key == "*" else node["items"] if key == "[]" else node["properties"][key]
     return {k: copy.deepcopy(v["default"]) for k, v in node["properties"].items() if "default" in v}
+
+
+@functools.cache
+def _presets() -> dict:
+    import jsonschema
+    import yaml
+
+    try:
+        data = yaml.safe_load(PRESETS.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise RuntimeError(f"{PRESETS}: cannot be read ({e})") from None
+    rules = {"$ref": "#/$defs/dimpo_presets", "$defs": _schema()["$defs"]}
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(rules).iter_errors(data))
+    if error is not None:
+        where = ".".join(map(str, error.absolute_path)) or "the top level"
+        raise RuntimeError(f"{PRESETS}: {where}: {error.message}")
+    missing = sorted(set(_schema()["$defs"]["fit_fields"]["properties"]) - set(data["defaults"]))
+    if missing:
+        raise RuntimeError(f"{PRESETS}: defaults lacks {missing}: every fit field needs a value")
+    return data
+
+
+def dimpo_presets() -> dict:
+    """``schemas/dimpo_presets.yaml``, validated: {"defaults": {field: value}, "presets": {name:
+    {field: value}}, "objectives": {objective: {field: value}}} (a copy)."""
+    return copy.deepcopy(_presets())

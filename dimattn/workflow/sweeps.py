@@ -26,7 +26,6 @@ from dimattn.workflow.vocabulary import (  # noqa: F401
     ConfigError,
     DEFAULT_SETTING,
     HEAD_OBJECTIVES,
-    LATENCY_DEFAULTS,
     LONGCTX_SOURCE,
     MAIN_STUDY,
     NO_KV,
@@ -355,9 +354,8 @@ class Plan:
 
     @property
     def latency(self) -> dict | None:
-        """dimpo.latency with its defaults; None when not measured."""
-        given = self.dimpo.get("latency")
-        return None if given is None else LATENCY_DEFAULTS | given
+        """dimpo.latency (its defaults filled by the schema); None when not measured."""
+        return self.dimpo.get("latency")
 
     @property
     def latency_models(self) -> list[str]:

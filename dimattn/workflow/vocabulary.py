@@ -53,8 +53,6 @@ RULER_TASK = {"niah_single": "niah_single_1", "niah_multikey": "niah_multikey_1"
               "niah_multiquery": "niah_multiquery", "vt": "ruler_vt", "cwe": "ruler_cwe", "fwe": "ruler_fwe",
               "qa": "ruler_qa_squad"}  # fmt: skip
 SUITE_SUBTASKS = tuple(RULER_TASK)  # the suite's subtasks, in dimattn.data.longctx.SUBTASKS' order
-# dimpo.latency's settings where a config sets it (Appendix H's timing; see the schema)
-LATENCY_DEFAULTS = {"prompt": 1024, "new": 32, "repeats": 3}
 # Runs DimPO can project: vanilla, and DAR or uniform, whose far keys F projects too (both
 # reductions composed, dimattn.model.modeling_projected); a sliding window drops keys F never sees.
 PROJECTABLE = ("vanilla", "dar", "uniform")

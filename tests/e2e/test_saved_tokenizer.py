@@ -29,13 +29,13 @@ def run_dir(tmp_path_factory):
     """A run exported as training does: the tokenizer loaded from its folder (as the run loads
     it), then saved beside a tiny model."""
     root = tmp_path_factory.mktemp("saved")
-    build_tokenizer(RecallSettings()).save_pretrained(root / "tokenizer")
+    build_tokenizer(RecallSettings(seq_len=128)).save_pretrained(root / "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
     assert {"local_files_only", "is_local"} <= set(tokenizer.init_kwargs)  # what loading records
     torch.manual_seed(0)
     model = DimAttnForCausalLM(DimAttnConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
                                              num_attention_heads=2, max_position_embeddings=64))  # fmt: skip
-    _export(model, tokenizer, TrainConfig(), [], root / "run", "float32")
+    _export(model, tokenizer, TrainConfig(seq_len=16, batch_size=2, max_steps=1), [], root / "run", "float32")
     assert {"local_files_only", "is_local"} <= set(tokenizer.init_kwargs)  # the object keeps them
     return root / "run"
 

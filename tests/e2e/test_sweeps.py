@@ -683,21 +683,3 @@ def test_latency_is_measured_on_models_with_a_plain_kv_cache():
     assert plan.latency == {"prompt": 64, "new": 32, "repeats": 3}  # with the defaults
     assert plan.latency_projection("tiny-vanilla") == ("dimpo", "default", 4, 0) and "latency" in plan.dimpo_studies
     assert plan_of(mutated(lambda c: downstream(c))).latency_models == []  # dimpo.latency null: not measured
-
-
-def test_the_generators_read_their_defaults_from_the_schema():
-    """One home for defaults: a settings field the schema gives a default reads it (no literal)."""
-    import ast
-    import inspect
-
-    from dimattn.data import longctx, recall
-    from dimattn.workflow.schema import dataset_defaults
-
-    for module, cls, source in ((recall, "RecallSettings", "synthetic_recall"),
-                                (longctx, "LongContextSettings", "synthetic_longctx")):  # fmt: skip
-        defaults = dataset_defaults(source)
-        body = next(n for n in ast.parse(inspect.getsource(module)).body if isinstance(n, ast.ClassDef) and n.name == cls)
-        restated = [n.target.id for n in body.body if isinstance(n, ast.AnnAssign) and n.target.id in defaults
-                    and n.value is not None and not any(isinstance(x, ast.Name) and x.id == "_DEFAULTS"
-                                                        for x in ast.walk(n.value))]  # fmt: skip
-        assert restated == [], f"{cls} restates the schema's defaults of {restated}"

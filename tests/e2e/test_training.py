@@ -80,7 +80,7 @@ def reference(corpus, tmp_path_factory):
 
 
 def test_lr_warms_up_linearly_then_decays_to_min_lr():
-    cfg = TrainConfig(max_steps=100, lr=1e-3, min_lr=1e-4, warmup_frac=0.1)
+    cfg = TrainConfig(seq_len=16, batch_size=8, max_steps=100, lr=1e-3, min_lr=1e-4, warmup_frac=0.1)
     assert [lr_at(s, cfg) for s in range(3)] == pytest.approx([1e-4, 2e-4, 3e-4])
     assert lr_at(9, cfg) == pytest.approx(1e-3)  # the peak at the end of the warm-up
     decay = [lr_at(s, cfg) for s in range(10, 101)]
@@ -89,17 +89,17 @@ def test_lr_warms_up_linearly_then_decays_to_min_lr():
 
 
 def test_micro_batches_divide_the_global_batch():
-    assert TrainConfig(batch_size=256, micro_batch_size=8).micro_batches(world_size=4) == (8, 8)
-    assert TrainConfig(batch_size=8).micro_batches(world_size=2) == (4, 1)
-    assert TrainConfig(batch_size=16, seq_len=32).tokens_per_step == 16 * 32
+    assert TrainConfig(16, 256, 1, micro_batch_size=8).micro_batches(world_size=4) == (8, 8)
+    assert TrainConfig(16, 8, 1).micro_batches(world_size=2) == (4, 1)
+    assert TrainConfig(seq_len=32, batch_size=16, max_steps=1).tokens_per_step == 16 * 32
     with pytest.raises(TrainingError, match=r"batch_size=8 .*micro_batch_size=3"):
-        TrainConfig(batch_size=8, micro_batch_size=3).micro_batches(world_size=1)
+        TrainConfig(16, 8, 1, micro_batch_size=3).micro_batches(world_size=1)
     with pytest.raises(TrainingError, match=r"batch_size=8 .*world size 3.*micro_batch_size"):
-        TrainConfig(batch_size=8).micro_batches(world_size=3)
+        TrainConfig(16, 8, 1).micro_batches(world_size=3)
     with pytest.raises(ValueError, match="grad_accum"):  # the old key is refused, not ignored
         TrainConfig.from_dict({"seq_len": 16, "batch_size": 8, "grad_accum": 2})
     with pytest.raises(TrainingError, match="precision"):
-        TrainConfig(precision="fp16")
+        TrainConfig(16, 8, 1, precision="fp16")
 
 
 def test_global_batch_depends_on_seed_and_step_only():
@@ -250,7 +250,7 @@ def test_auto_precision_run_records_what_it_resolved_to(corpus, tmp_path, monkey
 
 
 def test_training_precision_defaults_to_auto():
-    assert TrainConfig().precision == "auto"
+    assert TrainConfig(16, 8, 1).precision == "auto"
 
 
 def test_optimizer_is_fused_adamw_with_decay_on_matrices_only():
@@ -357,7 +357,7 @@ def test_sequential_order_reads_every_window_once_in_order_then_again():
     assert batch_starts(64 * 10, replace(cfg, seq_len=64), 1, example_len=64).tolist() == [512, 576, 0, 64, 128,
                                                                                            192, 256, 320]
     with pytest.raises(TrainingError, match="data_order"):
-        TrainConfig(data_order="shuffled")
+        TrainConfig(16, 8, 1, data_order="shuffled")
 
 
 def test_a_sequential_run_trains_on_its_own_batches(corpus, tmp_path):

@@ -279,7 +279,7 @@ def test_projected_dar_layer_matches_the_naive_reference_and_caches_alike(dar_ca
     prompt, kw = ids(n=2, t=5), dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(prompt, use_cache=True, **kw), model.generate(prompt, use_cache=False, **kw))
     with pytest.raises(ValueError, match="KV compression needs a plain KV cache"):
-        attach_projections(tiny(), {1: proj}, 1, kv={"snapkv": {"budget": 64}})
+        attach_projections(tiny(), {1: proj}, 1, kv={"snapkv": {"budget": 64, "window": 32, "kernel": 5}})
 
 
 def test_projected_dar_directory_loads_with_auto_model(tmp_path):

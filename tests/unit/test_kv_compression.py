@@ -79,7 +79,7 @@ def test_snapkv_indices_match_naive(T, budget, window, kernel):
 
 
 def test_snapkv_multi_head_attention_and_query_tail():
-    T, settings = 48, SnapKVSettings(budget=24, window=8)
+    T, settings = 48, SnapKVSettings(budget=24, window=8, kernel=5)
     q, k = randn(B, H, T, D_K, seed=3), randn(B, H, T, D_K, seed=4)
     full = snapkv_indices(q, k, settings, scale=0.5)
     assert torch.equal(full, naive_snapkv_indices(q, k, 24, 8, 5, 0.5))
@@ -89,7 +89,7 @@ def test_snapkv_multi_head_attention_and_query_tail():
 
 
 def test_snapkv_compress_gathers_keys_and_values():
-    T, settings = 56, SnapKVSettings(budget=20, window=8)
+    T, settings = 56, SnapKVSettings(budget=20, window=8, kernel=5)
     q, k, v = randn(B, H, T, D_K, seed=5), randn(B, H_KV, T, D_K, seed=6), randn(B, H_KV, T, D_V, seed=7)
     keys, values = snapkv_compress(q, k, v, settings, scale=1 / math.sqrt(D_K))
     index = naive_snapkv_indices(q, k, 20, 8, 5, 1 / math.sqrt(D_K))
@@ -105,7 +105,7 @@ def test_snapkv_compress_gathers_keys_and_values():
 @pytest.mark.parametrize("T", [10, 39, 40])
 def test_snapkv_is_a_no_op_within_budget(T):
     q, k, v = randn(B, H, T, D_K, seed=8), randn(B, H_KV, T, D_K, seed=9), randn(B, H_KV, T, D_V, seed=10)
-    settings = SnapKVSettings(budget=40, window=32)
+    settings = SnapKVSettings(budget=40, window=32, kernel=5)
     assert snapkv_indices(q, k, settings, scale=1.0) is None
     keys, values = snapkv_compress(q, k, v, settings, scale=1.0)
     assert keys is k and values is v
@@ -115,7 +115,7 @@ def test_snapkv_half_precision_keeps_dtypes():
     T = 40
     q, k, v = (randn(B, H, T, D_K, seed=11).bfloat16(), randn(B, H_KV, T, D_K, seed=12).bfloat16(),
                randn(B, H_KV, T, D_V, seed=13).bfloat16())
-    keys, values = snapkv_compress(q, k, v, SnapKVSettings(budget=16, window=8), scale=0.3)
+    keys, values = snapkv_compress(q, k, v, SnapKVSettings(budget=16, window=8, kernel=5), scale=0.3)
     assert keys.dtype == values.dtype == torch.bfloat16 and keys.shape[2] == values.shape[2] == 16
 
 
@@ -130,12 +130,12 @@ def test_snapkv_half_precision_keeps_dtypes():
 )
 def test_snapkv_settings_reject(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        SnapKVSettings(**kwargs)
+        SnapKVSettings(**{"kernel": 5} | kwargs)
 
 
 def test_snapkv_rejects_mismatched_shapes():
     k = randn(B, H_KV, 48, D_K)
-    settings = SnapKVSettings(budget=24, window=8)
+    settings = SnapKVSettings(budget=24, window=8, kernel=5)
     with pytest.raises(ValueError, match="window"):
         snapkv_indices(randn(B, H, 4, D_K), k, settings, scale=1.0)
     with pytest.raises(ValueError, match="do not fit"):
@@ -278,7 +278,7 @@ def test_kivi_prefill_then_decode_matches_naive(bits, group_size, residual, pref
 
 
 def test_kivi_defaults_and_narrow_projected_keys():
-    settings = KIVISettings(bits=2)
+    settings = KIVISettings(bits=2, group_size=32, residual=128)
     assert (settings.group_size, settings.residual) == (32, 128)
     T, d_k, d_v = 130, 8, 16  # d' = 8 keys; 16 value channels < G: one short group per token
     k, v = randn(1, H_KV, T + 1, d_k, seed=40), randn(1, H_KV, T + 1, d_v, seed=41)
@@ -321,7 +321,7 @@ def test_kivi_nbytes_by_hand():
 )
 def test_kivi_settings_reject(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        KIVISettings(**kwargs)
+        KIVISettings(**{"group_size": 32, "residual": 128} | kwargs)
 
 
 def test_kivi_rejects_bad_input():

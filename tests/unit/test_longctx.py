@@ -205,7 +205,7 @@ def test_the_needle_depth_of_a_fused_needle_is_its_pair_token():
 
 
 def test_a_pair_token_predicted_matches_no_answer_name():
-    s = LongContextSettings(**SMALL, **KEY_ASKED)
+    s = LongContextSettings(seq_len=256, **SMALL, **KEY_ASKED)
     names = list(vocabulary(s))
     v = {n: i for i, n in enumerate(names)}
     assert len(names) == s.vocab_size == len(set(names))
@@ -331,7 +331,7 @@ def test_greedy_generation_through_the_cache_is_naive_greedy(tmp_path):
 
 
 def test_the_scorer_is_lm_evals_string_match_on_hand_made_predictions():
-    names = list(vocabulary(LongContextSettings()))  # names of two digits
+    names = list(vocabulary(LongContextSettings(seq_len=256)))  # names of two digits
     v = {n: i for i, n in enumerate(names)}
     gold = [[v["v01"], v["v02"], v["v03"], v["v04"]], [v["v01"], v["v02"], v["v03"], v["v04"]], [v["k02"]], [v["k02"]],
             [v["w01"], v["w02"]]]  # fmt: skip

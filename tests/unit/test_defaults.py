@@ -1,0 +1,103 @@
+"""One home for defaults: the schema (schemas/config.schema.yaml) and DimPO's presets file beside
+it (schemas/dimpo_presets.yaml). The settings classes read their defaults from there, and no code
+restates one, as a literal class default or as a ``.get(key, default)`` fallback."""
+
+import ast
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import pytest
+
+from dimattn.workflow.schema import dataset_defaults, dimpo_presets, schema
+
+REPO = Path(__file__).resolve().parents[2]
+# The product's code: the package and the jobs' scripts (benchmarks and tests set their own).
+CODE = sorted([*(REPO / "dimattn").rglob("*.py"), *(REPO / "workflow_scripts").glob("*.py")])
+
+
+def _schema_defaults(node, out):
+    """{key: [default, ...]} of every property of ``node`` (a schema) that gives a default."""
+    if isinstance(node, dict):
+        for key, sub in (node.get("properties") or {}).items():
+            if isinstance(sub, dict) and "default" in sub:
+                out.setdefault(key, []).append(sub["default"])
+        for value in node.values():
+            _schema_defaults(value, out)
+    elif isinstance(node, list):
+        for value in node:
+            _schema_defaults(value, out)
+    return out
+
+
+DEFAULTED = _schema_defaults(schema(), {}) | {k: [v] for k, v in dimpo_presets()["defaults"].items()}
+
+
+def _same(key, value) -> bool:
+    """``value`` is a default the schema gives ``key`` (a key's name alone collides too often)."""
+    return any(type(value) is type(d) and value == d for d in DEFAULTED.get(key, ()))
+
+
+def _restated(path: Path, root: Path = REPO) -> list[str]:
+    """``.get("key", <literal>)`` and class-level ``key: T = <literal>`` restating a default.
+    (A function's keyword defaults are its API's: the jobs pass every value the config holds.)"""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                and len(node.args) == 2 and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[1], ast.Constant) and _same(node.args[0].value, node.args[1].value)):  # fmt: skip
+            found.append(f"{path.relative_to(root)}:{node.lineno} .get({node.args[0].value!r}, {node.args[1].value!r})")
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                        and isinstance(item.value, ast.Constant) and _same(item.target.id, item.value.value)):  # fmt: skip
+                    found.append(f"{path.relative_to(root)}:{item.lineno} {node.name}.{item.target.id} = "
+                                 f"{item.value.value!r}")  # fmt: skip
+    return found
+
+
+# Fields that share a name and value with a schema key but are no config's default.
+NOT_CONFIG = {
+    "dimattn/workflow/sweeps.py": "Projected.seed = 0",  # the base model's identity: no fit seed
+    "dimattn/workflow/runs.py": ".get('seed', 0)",  # a Hub model directory has no training.json
+}
+
+
+def test_no_code_restates_a_schema_default():
+    restated = [hit for path in CODE for hit in _restated(path)
+                if not hit.endswith(NOT_CONFIG.get(str(path.relative_to(REPO)), "\0"))]  # fmt: skip
+    assert restated == [], "defaults written outside the schema:\n" + "\n".join(restated)
+
+
+def test_the_check_finds_a_restated_default(tmp_path):
+    """The scan above is not vacuous: both forms of a restated default are caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("class S:\n    n_pairs: int = 8\n\ndef f(c):\n    return c.get('streaming', True)\n")
+    assert sorted(_restated(bad, tmp_path)) == ["bad.py:2 S.n_pairs = 8", "bad.py:5 .get('streaming', True)"]
+
+
+@pytest.mark.parametrize("module, cls, source", [("dimattn.data.recall", "RecallSettings", "synthetic_recall"),
+                                                 ("dimattn.data.longctx", "LongContextSettings", "synthetic_longctx")])  # fmt: skip
+def test_the_generators_defaults_are_the_schemas(module, cls, source):
+    import importlib
+
+    settings = getattr(importlib.import_module(module), cls)
+    expected = dataset_defaults(source)
+    got = {f.name: f.default for f in fields(settings) if f.name in expected}
+    got = {k: list(v) if isinstance(v, tuple) else v for k, v in got.items()}  # YAML has lists
+    assert got == {k: v for k, v in expected.items() if k in got} and len(got) >= 10
+
+
+def test_fit_settings_are_the_presets_file():
+    from dimattn.dimpo.fit_settings import PRESETS, FitSettings
+    from dimattn.dimpo.objectives import OBJECTIVES
+
+    source = dimpo_presets()
+    described = schema()["$defs"]["fit_fields"]["properties"]
+    assert [f.name for f in fields(FitSettings)] == ["preset", *described]
+    assert {f.name: f.default for f in fields(FitSettings)} == source["defaults"]
+    assert all(f.default is not MISSING for f in fields(FitSettings))
+    assert {n: dict(o.defaults) for n, o in OBJECTIVES.items() if o.defaults} == source["objectives"]
+    assert set(PRESETS) == set(source["presets"]) == {"ours", "authors"}
+    # every field's description gives the authors' value and ours
+    vague = [n for n, f in described.items() if "Authors" not in f["description"] or "Ours" not in f["description"]]
+    assert vague == []
