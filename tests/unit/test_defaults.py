@@ -101,3 +101,22 @@ def test_fit_settings_are_the_presets_file():
     # every field's description gives the authors' value and ours
     vague = [n for n, f in described.items() if "Authors" not in f["description"] or "Ours" not in f["description"]]
     assert vague == []
+
+
+@pytest.mark.parametrize("text, named", [("defaults: {lr: fast}\npresets: {ours: {}, authors: {}}\nobjectives: {}\n", "defaults.lr"),
+                                         ("presets: [\n", "cannot be read"),
+                                         ("defaults: {preset: ours}\npresets: {ours: {}, authors: {}}\nobjectives: {}\n",
+                                          "defaults lacks")])  # fmt: skip
+def test_a_broken_presets_file_is_refused_naming_it(tmp_path, monkeypatch, text, named):
+    from dimattn.workflow import schema as module
+
+    broken = tmp_path / "dimpo_presets.yaml"
+    broken.write_text(text)
+    monkeypatch.setattr(module, "PRESETS", broken)
+    module._presets.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=named) as err:
+            module.dimpo_presets()
+        assert str(broken) in str(err.value)
+    finally:
+        module._presets.cache_clear()
