@@ -91,7 +91,7 @@ def host() -> dict:
         "bf16_native": bf16_supported("cpu"), "peak_threads": 1, "peak_n": PEAK_N,
         "host_fp32_peak_gflops": round(matmul_peak(torch.float32), 1),
         "host_bf16_peak_gflops": round(matmul_peak(torch.bfloat16), 1),
-    }  # fmt: skip
+    }
 
 
 def announce() -> None:
@@ -111,12 +111,12 @@ def run_meta() -> dict:
     repo = Path(__file__).resolve().parents[1]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                                capture_output=True, text=True).stdout.strip())  # fmt: skip
+                                capture_output=True, text=True).stdout.strip())
     h = host()
     return {"script": Path(main).stem, "argv": sys.argv[1:], "commit": commit, "dirty": dirty,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "pid": os.getpid(),
             "cpu_model": h["cpu_model"], "cpus": h["cpus"], "cpu_flags": h["cpu_flags"],
-            "host_fp32_peak_gflops": h["host_fp32_peak_gflops"], "host_bf16_peak_gflops": h["host_bf16_peak_gflops"]}  # fmt: skip
+            "host_fp32_peak_gflops": h["host_fp32_peak_gflops"], "host_bf16_peak_gflops": h["host_bf16_peak_gflops"]}
 
 
 def stamp(record: dict) -> dict:

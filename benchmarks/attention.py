@@ -107,12 +107,20 @@ def bench_swa_scaling(repeats):
     with torch.no_grad():
         t = interleaved({"swa_2048": swa(2048), "swa_8192": swa(8192),
                          "causal_2048": causal(2048), "causal_8192": causal(8192)}, repeats)
-    emit({"name": "b_swa_forward_T8192_over_T2048", "ratio": t["swa_8192"] / t["swa_2048"], "target": "~4 (linear)",
-          "causal_ratio": t["causal_8192"] / t["causal_2048"],
-          # the window's share of full causal attention's time at T 8192 (target <= 0.10)
-          "swa_over_causal_8192": t["swa_8192"] / t["causal_8192"],
-          "swa_over_causal_8192_flop_ratio": (8192 * w - w * (w - 1) / 2) / (8192 * 8193 / 2), "swa_s": [t["swa_2048"], t["swa_8192"]],
-          "causal_s": [t["causal_2048"], t["causal_8192"]], "shape": dict(B=B, H=H, D=D, window=w)})
+    emit(
+        {
+            "name": "b_swa_forward_T8192_over_T2048",
+            "ratio": t["swa_8192"] / t["swa_2048"],
+            "target": "~4 (linear)",
+            "causal_ratio": t["causal_8192"] / t["causal_2048"],
+            # the window's share of full causal attention's time at T 8192 (target <= 0.10)
+            "swa_over_causal_8192": t["swa_8192"] / t["causal_8192"],
+            "swa_over_causal_8192_flop_ratio": (8192 * w - w * (w - 1) / 2) / (8192 * 8193 / 2),
+            "swa_s": [t["swa_2048"], t["swa_8192"]],
+            "causal_s": [t["causal_2048"], t["causal_8192"]],
+            "shape": dict(B=B, H=H, D=D, window=w),
+        }
+    )
 
 
 def _default_scale(config_path: Path):
@@ -194,7 +202,10 @@ def bench_cache_bytes(config_path: Path, T=4096):
     }
     for label, (arch, w, dd, vocab) in shapes.items():
         nbytes = {}
-        for name, extra in {"vanilla": dict(attention="vanilla"), "dar": dict(attention="dar", window=w, d_down=dd)}.items():
+        for name, extra in {
+            "vanilla": dict(attention="vanilla"),
+            "dar": dict(attention="dar", window=w, d_down=dd),
+        }.items():
             torch.manual_seed(0)
             model = DimAttnForCausalLM(DimAttnConfig(vocab_size=vocab, max_position_embeddings=T, **arch, **extra))
             nbytes[name] = kv_cache_nbytes(_prefilled_cache(model.eval(), T))
@@ -214,7 +225,9 @@ def bench_gpu(repeats, steps_per_measure=5):
     for name, extra in {"vanilla": dict(attention="vanilla"),
                         "dar": dict(attention="dar", window=128, d_down=128)}.items():
         torch.manual_seed(0)
-        model = DimAttnForCausalLM(DimAttnConfig(vocab_size=vocab, max_position_embeddings=T, **arch, **extra)).to(device)
+        model = DimAttnForCausalLM(DimAttnConfig(vocab_size=vocab, max_position_embeddings=T, **arch, **extra)).to(
+            device
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         compiled = torch.compile(model)
         x = torch.randint(0, vocab, (B, T), device=device)

@@ -89,7 +89,7 @@ def main(argv=None):
             "lockstep_s": round(lock, 3), "one_at_a_time_s": round(single, 3), "max_abs_W_difference": diff,
             "group": group, "capture": source, "layers": len(capture), "q": list(first["q"].shape),
             "d_prime": args.d_prime, "threads": args.threads, "repeats": args.repeats,
-        })), flush=True)  # fmt: skip
+        })), flush=True)
     resources.FIT_LOCKSTEP_BYTES = budget
 
 

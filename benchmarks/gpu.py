@@ -197,11 +197,27 @@ def check_kernels(device, small):
             name = f"{KERNEL}_{pattern}_T{T}"
             if not passed:
                 failures.append(name)
-            emit({"name": "kernel_check", "section": "kernels", "check": name, "pattern": pattern,
-                  "passed": passed, "kernel": KERNEL, "dtype": "bfloat16", "device": device.type,
-                  "reference": "dense, float64, cpu", "gradients": backward, "errors": flex_err,
-                  "cpu_blocked_bf16_errors": cpu_err, "tolerance": TOLERANCE, "flex_first_call_s": round(flex_s, 3),
-                  "shape": dict(B=B, H=H, T=T, D=D, window=w, **({"dilation": DILATION} if pattern == "dilated" else {}))})
+            emit(
+                {
+                    "name": "kernel_check",
+                    "section": "kernels",
+                    "check": name,
+                    "pattern": pattern,
+                    "passed": passed,
+                    "kernel": KERNEL,
+                    "dtype": "bfloat16",
+                    "device": device.type,
+                    "reference": "dense, float64, cpu",
+                    "gradients": backward,
+                    "errors": flex_err,
+                    "cpu_blocked_bf16_errors": cpu_err,
+                    "tolerance": TOLERANCE,
+                    "flex_first_call_s": round(flex_s, 3),
+                    "shape": dict(
+                        B=B, H=H, T=T, D=D, window=w, **({"dilation": DILATION} if pattern == "dilated" else {})
+                    ),
+                }
+            )
 
 
 def _live_pairs(pattern, T, w):
@@ -314,25 +330,41 @@ def kernel_speed(device, small, repeats=None):
         stats = _block_stats(rec["mask"])
         q_blocks = stats["q_blocks"]
         computed = stats["full_blocks"] + stats["partial_blocks"]
-        record = {"name": "kernel_speed", "section": "kernel_speed", "pattern": rec["pattern"], "window": rec["w"],
-                  "timed": "forward+backward" if cuda else "forward",
-                  "live_pair_ratio": round(rec["live"] / causal, 6),
-                  "time_ratio_over_sdpa": round(t[key] / t["sdpa"], 4),
-                  # the least time a block-sparse kernel can take over causal's blocks at this block size
-                  "computed_blocks_over_causal": round(computed / (q_blocks * (q_blocks + 1) / 2), 4),
-                  "flex_ms": round(1e3 * t[key], 3), "flex_prebuilt_mask_ms": round(1e3 * t[f"{key}_prebuilt"], 3),
-                  "sdpa_causal_ms": round(1e3 * t["sdpa"], 3), **stats,
-                  "mask_build_s": round(rec["mask_build_s"], 6), "mask_first_build_s": round(rec["build_first_s"], 4),
-                  "mask_built_in_timed_call": bool(rec["built_in_call"]),
-                  "mask_cache_misses_during_timing": misses, "mask_cached": not rec["built_in_call"] and not misses,
-                  "compiled": rec["compiled"], "dynamo_frames_compiled_during_timing": frames,
-                  "kernel_fn": "flex_attention (eager: unfused, scores materialised)" if kernel_fn is flex_attention
-                  else "torch.compile(flex_attention)",
-                  "flex_cache_entries": len(_flex_cache_entries()), "recompile_limit": torch._dynamo.config.recompile_limit,
-                  "first_call_s": round(rec["first_call_s"], 3),
-                  "shape": dict(B=B, H=H, T=T, D=D, window=rec["w"],
-                                **({"dilation": DILATION} if rec["pattern"] == "dilated" else {})),
-                  "dtype": "bfloat16", "device": _device_name(device)}
+        record = {
+            "name": "kernel_speed",
+            "section": "kernel_speed",
+            "pattern": rec["pattern"],
+            "window": rec["w"],
+            "timed": "forward+backward" if cuda else "forward",
+            "live_pair_ratio": round(rec["live"] / causal, 6),
+            "time_ratio_over_sdpa": round(t[key] / t["sdpa"], 4),
+            # the least time a block-sparse kernel can take over causal's blocks at this block size
+            "computed_blocks_over_causal": round(computed / (q_blocks * (q_blocks + 1) / 2), 4),
+            "flex_ms": round(1e3 * t[key], 3),
+            "flex_prebuilt_mask_ms": round(1e3 * t[f"{key}_prebuilt"], 3),
+            "sdpa_causal_ms": round(1e3 * t["sdpa"], 3),
+            **stats,
+            "mask_build_s": round(rec["mask_build_s"], 6),
+            "mask_first_build_s": round(rec["build_first_s"], 4),
+            "mask_built_in_timed_call": bool(rec["built_in_call"]),
+            "mask_cache_misses_during_timing": misses,
+            "mask_cached": not rec["built_in_call"] and not misses,
+            "compiled": rec["compiled"],
+            "dynamo_frames_compiled_during_timing": frames,
+            "kernel_fn": (
+                "flex_attention (eager: unfused, scores materialised)"
+                if kernel_fn is flex_attention
+                else "torch.compile(flex_attention)"
+            ),
+            "flex_cache_entries": len(_flex_cache_entries()),
+            "recompile_limit": torch._dynamo.config.recompile_limit,
+            "first_call_s": round(rec["first_call_s"], 3),
+            "shape": dict(
+                B=B, H=H, T=T, D=D, window=rec["w"], **({"dilation": DILATION} if rec["pattern"] == "dilated" else {})
+            ),
+            "dtype": "bfloat16",
+            "device": _device_name(device),
+        }
         if cuda:
             record |= {"fwd_ratio_over_sdpa": round(t[f"{key}_fwd"] / t["sdpa_fwd"], 4),
                        "flex_fwd_ms": round(1e3 * t[f"{key}_fwd"], 3), "sdpa_fwd_ms": round(1e3 * t["sdpa_fwd"], 3)}
@@ -362,7 +394,9 @@ def train_step(device, small, peak, repeats):
     for variant, extra in {"vanilla": dict(attention="vanilla"),
                            "dar": dict(attention="dar", window=min(128, T // 2), d_down=d // 4)}.items():
         torch.manual_seed(0)
-        model = DimAttnForCausalLM(DimAttnConfig(vocab_size=vocab, max_position_embeddings=T, **arch, **extra)).to(device)
+        model = DimAttnForCausalLM(DimAttnConfig(vocab_size=vocab, max_position_embeddings=T, **arch, **extra)).to(
+            device
+        )
         model.train()
         optimizer = configure_optimizer(model, cfg)
         forward = torch.compile(model) if cfg.compile else model  # as dimattn.pretraining.training._train
@@ -522,12 +556,12 @@ def pretrain_run(device, small):
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_recall_corpus(RecallSettings.from_spec(config["datasets"]["recall"] | {"n_train": size["n_train"]}),
-                            root / "recall")  # fmt: skip
+                            root / "recall")
         tokens = root / "recall" / "tokens"
         steps = size["max_steps"]
         cfg = TrainConfig.from_dict(scale["training"] | dict(max_steps=steps, eval_interval=steps // 6,
                                                              checkpoint_interval=steps // 3, precision="auto",
-                                                             compile=cuda))  # fmt: skip
+                                                             compile=cuda))
         arch = scale["architecture"]
         variants = {"vanilla": dict(attention="vanilla"), "dar": dict(attention="dar", window=4, d_down=4)}
         for variant in size["variants"]:

@@ -131,12 +131,18 @@ def drill_example(pairs, asked, directions, rng):
     b = rng.choice(N, DRILL_PAIRS, replace=False) if kind else rng.integers(0, N, DRILL_PAIRS)
     tokens = [V.kk(x, y) for x, y in zip(a, b)] if kind == 2 else [V.kv(x, y) for x, y in zip(a, b)]
     # "fixed": the recall probe's places, right after bos (positions 1-8 of the row)
-    places = np.arange(DRILL_PAIRS) if pairs == "fixed" else np.sort(rng.choice(DRILL_CONTEXT, DRILL_PAIRS, replace=False))
+    places = (
+        np.arange(DRILL_PAIRS) if pairs == "fixed" else np.sort(rng.choice(DRILL_CONTEXT, DRILL_PAIRS, replace=False))
+    )
     context[places] = tokens
     row, targets = [BOS, *context], []
     per = 2 if asked == "key" else 3
     for j in rng.integers(0, DRILL_PAIRS, (SEQ_LEN - len(row) - 1) // per):
-        ask, give = [(V.key0 + a[j], V.value0 + b[j]), (V.value0 + b[j], V.key0 + a[j]), (V.key0 + b[j], V.key0 + a[j])][kind]
+        ask, give = [
+            (V.key0 + a[j], V.value0 + b[j]),
+            (V.value0 + b[j], V.key0 + a[j]),
+            (V.key0 + b[j], V.key0 + a[j]),
+        ][kind]
         row += [ask, give] if asked == "key" else [ask, QUERY, give]
         targets.append(len(row) - 1)
     return row + [EOS] * (SEQ_LEN - len(row)), targets
@@ -166,7 +172,7 @@ def score(pred, tokens, mask, tasks) -> dict:
     right = [pred[i, np.flatnonzero(m) - 1] == tokens[i, np.flatnonzero(m)] for i, m in enumerate(mask)]
     hit = [r if t == "drill" else [bool(r.all())] for r, t in zip(right, tasks)]
     return {t: round(100 * float(np.mean(np.concatenate([h for h, u in zip(hit, tasks) if u == t]))), 1)
-            for t in dict.fromkeys(tasks)}  # fmt: skip
+            for t in dict.fromkeys(tasks)}
 
 
 def main(argv=None):
@@ -200,9 +206,16 @@ def main(argv=None):
     announce()
     torch.manual_seed(args.seed)
     cfg = TrainConfig(seq_len=SEQ_LEN, batch_size=args.batch, max_steps=args.steps, lr=args.lr, min_lr=args.lr / 10,
-                      warmup_frac=0.05)  # fmt: skip
-    model = DimAttnForCausalLM(DimAttnConfig(vocab_size=V.size, max_position_embeddings=SEQ_LEN, hidden_size=args.hidden,
-                                             num_hidden_layers=args.layers, num_attention_heads=2))  # fmt: skip
+                      warmup_frac=0.05)
+    model = DimAttnForCausalLM(
+        DimAttnConfig(
+            vocab_size=V.size,
+            max_position_embeddings=SEQ_LEN,
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=2,
+        )
+    )
     optimizer = configure_optimizer(model, cfg)
     test = argparse.Namespace(**{**vars(args), "drill": 0.0})  # the test split: the subtasks (or the drill alone)
     tx, tmask, ttasks = batch(test, args.test_examples, np.random.default_rng([args.seed, 1]))
@@ -212,7 +225,7 @@ def main(argv=None):
         model.eval()
         with torch.no_grad():
             pred = torch.cat([model(torch.from_numpy(tx[i : i + 128])).logits.argmax(-1)
-                              for i in range(0, len(tx), 128)]).numpy()  # fmt: skip
+                              for i in range(0, len(tx), 128)]).numpy()
         model.train()
         return score(pred, tx, tmask, ttasks)
 
@@ -229,7 +242,7 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             print(json.dumps(stamp({"step": step + 1, "exact": exact_match(), "loss": round(loss.item(), 3),
-                                    "seconds": round(time.perf_counter() - t0)})), flush=True)  # fmt: skip
+                                    "seconds": round(time.perf_counter() - t0)})), flush=True)
 
 
 if __name__ == "__main__":

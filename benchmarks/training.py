@@ -236,7 +236,9 @@ def bench_training(args) -> None:
     keep_freed_memory()  # as training.py does on CPU
     arch, train, dar, vocab = default_model(args.config, args.d_down, args.scale)
     # the scale's recipe, the schema's defaults where it sets none
-    cfg = TrainConfig.from_dict({k: train[k] for k in ("seq_len", "batch_size", "max_steps", "lr", "precision") if k in train})
+    cfg = TrainConfig.from_dict(
+        {k: train[k] for k in ("seq_len", "batch_size", "max_steps", "lr", "precision") if k in train}
+    )
     # resolved first, so that a wrong name fails before the timings
     profiled = resolve_precision(args.profile_precision or cfg.precision, "cpu")
     emit = reporter()
@@ -297,12 +299,22 @@ def bench_training(args) -> None:
     for name in ("vanilla_fp32", "vanilla_bf16", "dar_fp32", "dar_bf16"):
         precision = name.rsplit("_", 1)[1]
         achieved = flops[name] / wall[name]
-        emit({"name": f"train_step_{name}", "tokens_per_s": round(batch * seq_len / wall[name], 1),
-              "step_s": round(wall[name], 5), "cpu_s": round(cpu[name], 5),
-              "gflop_per_step": round(flops[name] / 1e9, 3),
-              "model_gflops": round(achieved / 1e9, 1), "mfu": round(achieved / peak[precision], 4),
-              "mfu_of": f"matmul_peak_{precision}", "batch": [batch, seq_len],
-              "scale": args.scale, "model": {**arch, "vocab": vocab, **(dar if name.startswith("dar") else {})}, **common})
+        emit(
+            {
+                "name": f"train_step_{name}",
+                "tokens_per_s": round(batch * seq_len / wall[name], 1),
+                "step_s": round(wall[name], 5),
+                "cpu_s": round(cpu[name], 5),
+                "gflop_per_step": round(flops[name] / 1e9, 3),
+                "model_gflops": round(achieved / 1e9, 1),
+                "mfu": round(achieved / peak[precision], 4),
+                "mfu_of": f"matmul_peak_{precision}",
+                "batch": [batch, seq_len],
+                "scale": args.scale,
+                "model": {**arch, "vocab": vocab, **(dar if name.startswith("dar") else {})},
+                **common,
+            }
+        )
     for precision in ("fp32", "bf16"):
         dar, vanilla = f"dar_{precision}", f"vanilla_{precision}"
         emit({"name": f"dar_over_vanilla_{precision}", "ratio": round(wall[dar] / wall[vanilla], 4),

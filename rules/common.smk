@@ -99,9 +99,7 @@ def one_of(names):
 
 def fitted_objectives():
     """The objectives of the projected models (every one but the base model's)."""
-    return one_of(
-        sorted({p.objective for p in PLAN.dimpo_projected} - {sweeps.BASE_OBJECTIVE})
-    )
+    return one_of(sorted({p.objective for p in PLAN.dimpo_projected} - {sweeps.BASE_OBJECTIVE}))
 
 
 def each_seed(kind, *wildcards):
@@ -179,11 +177,7 @@ def capture_hparams():
     """dimpo.hparams as a capture reads them (capture_dtype, special_tokens and the preset that
     sets them): with the whole mapping as params, tuning one objective's lr recaptured every model.
     """
-    return {
-        k: v
-        for k, v in PLAN.dimpo["hparams"].items()
-        if k in ("preset", "capture_dtype", "special_tokens")
-    }
+    return {k: v for k, v in PLAN.dimpo["hparams"].items() if k in ("preset", "capture_dtype", "special_tokens")}
 
 
 def fit_hparams(wildcards):
@@ -212,8 +206,7 @@ def score_resource(job, key):
     (dimattn.workflow.resources.score)."""
     if job == "score_projected":
         return scaled(
-            lambda wc: FIRST_ATTEMPTS[job][wc.model](wc.d_prime)[key]
-            * (len(job_seeds(wc)) if key == "runtime" else 1),
+            lambda wc: FIRST_ATTEMPTS[job][wc.model](wc.d_prime)[key] * (len(job_seeds(wc)) if key == "runtime" else 1),
             key,
         )
     return scaled(lambda wc: FIRST_ATTEMPTS[job][wc.run][key], key)
@@ -327,9 +320,7 @@ def downstream_studies():
     studies = {}
     for model in PLAN.dimpo_models:
         for p in PLAN.projected(model):
-            path = paths.downstream(
-                model, p.objective, p.setting, p.d_prime, p.num_projected, p.kv, p.seed
-            )
+            path = paths.downstream(model, p.objective, p.setting, p.d_prime, p.num_projected, p.kv, p.seed)
             studies.setdefault(path, []).append(p.study)
     return studies
 
@@ -381,11 +372,7 @@ def model_dirs():
 
 
 def perplexity_files():
-    return [
-        paths.perplexity(run, dataset)
-        for run in RUNS
-        for dataset in PLAN.perplexity_targets(run)
-    ]
+    return [paths.perplexity(run, dataset) for run in RUNS for dataset in PLAN.perplexity_targets(run)]
 
 
 def recall_files():
@@ -393,11 +380,7 @@ def recall_files():
 
 
 def longctx_files():
-    return [
-        paths.longctx(run, dataset)
-        for run in PLAN.longctx_runs
-        for dataset in PLAN.longctx_targets(run)
-    ]
+    return [paths.longctx(run, dataset) for run in PLAN.longctx_runs for dataset in PLAN.longctx_targets(run)]
 
 
 def lm_eval_files():
@@ -408,9 +391,7 @@ def lm_eval_data_files():
     """Our own tasks' data, when lm-eval runs them (evaluation.lm_eval.write_tasks_from)."""
     if not PLAN.lm_eval["write_tasks_from"]:
         return []
-    return [
-        paths.lm_eval_data(task) for task in ("dimattn_heldout", "dimattn_next_line")
-    ]
+    return [paths.lm_eval_data(task) for task in ("dimattn_heldout", "dimattn_next_line")]
 
 
 def fidelity_studies():
@@ -420,8 +401,6 @@ def fidelity_studies():
     for model in PLAN.dimpo_models:
         for fit in PLAN.model_fits(model):
             for seed in PLAN.dimpo["seeds"]:
-                path = paths.fidelity(
-                    model, fit.objective, fit.setting, fit.d_prime, seed
-                )
+                path = paths.fidelity(model, fit.objective, fit.setting, fit.d_prime, seed)
                 studies.setdefault(path, []).append([fit.study, fit.order])
     return studies

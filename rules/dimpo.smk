@@ -155,24 +155,14 @@ rule score_projected:
         # only what this job reads: Snakemake reruns a job whose params change, so the whole
         # downstream mapping here made one more kv entry or objective rerun every scoring job
         scoring={k: PLAN.downstream[k] for k in ("max_tokens", "limit", "metadata")},
-        tasks=lambda wc: (
-            [] if PLAN.generative_probe(wc.model) else PLAN.downstream["tasks"]
-        ),
-        recall_corpora=lambda wc: (
-            [PLAN.dimpo_run_dataset(wc.model)]
-            if PLAN.dimpo_probe(wc.model) == "recall"
-            else []
-        ),
+        tasks=lambda wc: ([] if PLAN.generative_probe(wc.model) else PLAN.downstream["tasks"]),
+        recall_corpora=lambda wc: ([PLAN.dimpo_run_dataset(wc.model)] if PLAN.dimpo_probe(wc.model) == "recall" else []),
         suite_corpora=projected_suite_corpora,
         seq_len=PLAN.dimpo["capture"]["seq_len"],
         batch_size=lambda wc: PLAN.config["evaluation"][
-            {"recall": "recall", "longctx": "longctx"}.get(
-                PLAN.dimpo_probe(wc.model), "perplexity"
-            )
+            {"recall": "recall", "longctx": "longctx"}.get(PLAN.dimpo_probe(wc.model), "perplexity")
         ]["batch_size"],
-        corpora=lambda wc: (
-            PLAN.perplexity_datasets if PLAN.dimpo_probe(wc.model) == "text" else []
-        ),
+        corpora=lambda wc: (PLAN.perplexity_datasets if PLAN.dimpo_probe(wc.model) == "text" else []),
         # each task's result as it finishes, as score_text's: a rerun scores only the tasks missing
         lm_eval_partial=lambda wc, output: [paths.partial(out) for out in output],
         precision=SCORE_PRECISION,

@@ -4,9 +4,7 @@
 
 
 # (processes a node, nodes) of each run.
-PRETRAIN_LAYOUT = {
-    name: (run.resources["nproc"], run.resources["nodes"]) for name, run in RUNS.items()
-}
+PRETRAIN_LAYOUT = {name: (run.resources["nproc"], run.resources["nodes"]) for name, run in RUNS.items()}
 
 
 rule pretrain:
@@ -30,26 +28,16 @@ rule pretrain:
         cpus_per_task=lambda wc, threads: threads,
         # One GPU a process. On one node the SLURM plugin's --gpus (a job total); on several,
         # gres per node, since SLURM may spread a job total unevenly over the nodes.
-        gpu=lambda wc: (
-            gpu_count() * PRETRAIN_LAYOUT[wc.run][0]
-            if PRETRAIN_LAYOUT[wc.run][1] == 1
-            else None
-        ),
+        gpu=lambda wc: (gpu_count() * PRETRAIN_LAYOUT[wc.run][0] if PRETRAIN_LAYOUT[wc.run][1] == 1 else None),
         gres=lambda wc: (
-            f"gpu:{PRETRAIN_LAYOUT[wc.run][0]}"
-            if gpu_count() and PRETRAIN_LAYOUT[wc.run][1] > 1
-            else None
+            f"gpu:{PRETRAIN_LAYOUT[wc.run][0]}" if gpu_count() and PRETRAIN_LAYOUT[wc.run][1] > 1 else None
         ),
         nodes=lambda wc: PRETRAIN_LAYOUT[wc.run][1],
         # Several nodes: the job runs srun itself, one task (a torchrun) a node: an "mpi" job
         # to the plugin; tasks_per_gpu=0 stops it reading tasks as --ntasks-per-gpu.
         mpi=lambda wc: "srun" if PRETRAIN_LAYOUT[wc.run][1] > 1 else None,
-        tasks=lambda wc: (
-            PRETRAIN_LAYOUT[wc.run][1] if PRETRAIN_LAYOUT[wc.run][1] > 1 else None
-        ),
-        tasks_per_gpu=lambda wc: (
-            0 if gpu_count() and PRETRAIN_LAYOUT[wc.run][1] > 1 else None
-        ),
+        tasks=lambda wc: (PRETRAIN_LAYOUT[wc.run][1] if PRETRAIN_LAYOUT[wc.run][1] > 1 else None),
+        tasks_per_gpu=lambda wc: (0 if gpu_count() and PRETRAIN_LAYOUT[wc.run][1] > 1 else None),
     params:
         spec=run_spec,
         checkpoint_dir=lambda wc: paths.checkpoints(wc.run),

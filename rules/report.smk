@@ -278,11 +278,7 @@ rule figures:
             if PLAN.config["figures_from"] == "published"
             else paths.SUMMARY
         ),
-        published=(
-            paths.published(PLAN.config["tier"])
-            if PLAN.config["figures_from"] == "published"
-            else None
-        ),
+        published=(paths.published(PLAN.config["tier"]) if PLAN.config["figures_from"] == "published" else None),
         results_dir=paths.RESULTS,
         reference_dir=PLAN.config["reference_dir"],
     script:

@@ -24,7 +24,7 @@ from filelock import FileLock
 # the smoke run only once its own runs are done, so it may start while the smoke run still goes.
 SLOW_FIRST = ("test_slurm_cluster.py", "test_workflow.py", "test_modeling_projected.py", "test_kill9.py",
               "test_resources.py", "test_training.py", "test_sweeps.py", "test_reporting_replicates.py",
-              "test_attention.py", "test_reporting_pdflatex.py", "test_reporting_outputs.py")  # fmt: skip
+              "test_attention.py", "test_reporting_pdflatex.py", "test_reporting_outputs.py")
 
 
 # tests/unit/ (quick, one file a module: `pytest tests/unit`) and tests/e2e/ (the workflow end to
@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
     # Within a file, the smoke run's readers first: the run starts as the session does. Stable:
     # the order within each group is the file's.
     items.sort(key=lambda item: (rank.get(item.path.name, len(SLOW_FIRST)), item.path.name,
-                                 "smoke_run" not in item.fixturenames))  # fmt: skip
+                                 "smoke_run" not in item.fixturenames))
 
 
 @pytest.fixture(autouse=True)

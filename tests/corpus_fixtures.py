@@ -14,7 +14,7 @@ def token_corpus(root: Path, train_docs: int, validation_docs: int, words_per_do
     rng = random.Random(0)
     for split, n_docs in (("train", train_docs), ("validation", validation_docs)):
         docs = [{"id": f"{split}{i}", "text": " ".join(rng.choice(WORDS) for _ in range(words_per_doc)) + "."}
-                for i in range(n_docs)]  # fmt: skip
+                for i in range(n_docs)]
         data.write_documents(docs, root / f"{split}.jsonl")
     data.train_tokenizer(root / "train.jsonl", vocab_size=300, out_dir=root / "tokenizer")
     for split in ("train", "validation"):

@@ -177,7 +177,7 @@ def fit_factor(objective: str, seed: int) -> float:
 
 
 def write_fidelity_csvs(root: Path, setting: str = "default", seeds=(0,), objectives=None, d_primes=None,
-                        folder: str = "dimpo") -> list[Path]:  # fmt: skip
+                        folder: str = "dimpo") -> list[Path]:
     """A fidelity CSV per (objective, d', seed) in the format of dimattn.dimpo.projections.fidelity_to_file;
     seed s multiplies seed 0's KL and MSE by ``fit_factor``. ``setting`` applies to DimPO's fits;
     the inference-scale columns are 1.5 x KL and MSE, the top-4 recall 1 - KL / (1 + KL)."""
@@ -232,7 +232,7 @@ def write_fidelity_summary(root: Path, summary: Path, seeds=(0,)) -> Path:
     for study, (settings, d_primes) in STUDIES.items():
         for order, setting in enumerate(settings):
             for path in write_fidelity_csvs(root, setting=setting, seeds=seeds, objectives=["dimpo"],
-                                            d_primes=d_primes, folder=f"{study}{order}"):  # fmt: skip
+                                            d_primes=d_primes, folder=f"{study}{order}"):
                 csvs.append(path)
                 studies[str(path)] = [[study, order]]
     out = summary_path(summary, "dimpo_fidelity")
@@ -247,7 +247,7 @@ DOWNSTREAM = {
     ("pca", 2): (0.36, 60.0), ("pca", 4): (0.30, 80.0),
     ("kl", 2): (0.39, 52.0), ("kl", 4): (0.37, 55.0),
     ("dimpo", 2): (0.40, 51.0), ("dimpo", 4): (0.38, 54.0),
-}  # fmt: skip
+}
 
 
 def write_downstream_jsons(root: Path, seeds=(0,)) -> list[Path]:
@@ -265,7 +265,7 @@ def write_downstream_jsons(root: Path, seeds=(0,)) -> list[Path]:
             "perplexity": {"shakespeare": {"ppl": ppl, "loss": math.log(ppl), "n_tokens": 1000}},
             "results": {"dimattn_next_line": {"alias": "dimattn_next_line", "acc,none": acc, "acc_stderr,none": 0.02}},
             "num_fewshot": {"dimattn_next_line": 0},
-        }  # fmt: skip
+        }
         path = root / "downstream" / f"{objective}-l{l}-s{seed}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record))
@@ -280,7 +280,7 @@ LONG_RECALL = {
     ("kl", 1, "none"): (0.85, 0.75), ("kl", 2, "none"): (0.70, 0.60),
     ("dimpo", 1, "none"): (0.86, 0.74), ("dimpo", 2, "none"): (0.50, 0.40),
     ("dimpo", 2, "kivi2"): (0.45, 0.35), ("dimpo", 2, "snapkv8"): (0.30, 0.20),
-}  # fmt: skip
+}
 KV = {"none": ("none", 0), "kivi2": ("kivi", 2), "snapkv8": ("snapkv", 8)}
 N_BIN = (30, 10)  # queries per bin: the overall accuracy weighs them
 
@@ -290,7 +290,7 @@ def _record(model, objective, l, kv, seed, n_layers=2):
     return {"model": model, "objective": objective, "setting": "default", "d_prime": 0 if objective == "base" else 4,
             "num_projected": l,
             "n_layers": n_layers, "scale": "d_prime", "kv": kv, "kv_method": method, "kv_level": level, "seed": seed,
-            "perplexity": {}, "recall": {}, "results": {}, "num_fewshot": {}}  # fmt: skip
+            "perplexity": {}, "recall": {}, "results": {}, "num_fewshot": {}}
 
 
 def write_long_context_jsons(root: Path, seeds=(0, 1)) -> list[Path]:
@@ -300,10 +300,10 @@ def write_long_context_jsons(root: Path, seeds=(0, 1)) -> list[Path]:
         for seed in seeds if objective != "base" else (0,):
             record = _record("recall-vanilla", objective, l, kv, seed)
             bins = [{"min_distance": lo, "max_distance": hi, "accuracy": a + 0.01 * seed, "n": n}
-                    for (lo, hi), a, n in zip([(8, 20), (21, 33)], accs, N_BIN)]  # fmt: skip
+                    for (lo, hi), a, n in zip([(8, 20), (21, 33)], accs, N_BIN)]
             overall = sum(b["accuracy"] * b["n"] for b in bins) / sum(N_BIN)
             record["recall"]["recall"] = {"split": "test", "accuracy": overall, "n_queries": sum(N_BIN),
-                                          "by_distance": bins, "chance": 1 / 16, "prefill": 16}  # fmt: skip
+                                          "by_distance": bins, "chance": 1 / 16, "prefill": 16}
             written.append(root / "long" / f"{objective}-l{l}-{kv}-s{seed}.json")
             written[-1].parent.mkdir(parents=True, exist_ok=True)
             written[-1].write_text(json.dumps(record))
@@ -311,11 +311,10 @@ def write_long_context_jsons(root: Path, seeds=(0, 1)) -> list[Path]:
     for objective, l, shift in (("base", 0, 40), ("dimpo", 20, 0), ("kl", 20, 10)):
         record = _record("tiny-llama", objective, l, "none", 0, n_layers=32)
         record["results"] = {task: {"alias": task, "4096,none": (50 + i + shift) / 100, "8192,none": -1}
-                             for i, task in enumerate(RULER_TASKS)}  # fmt: skip
+                             for i, task in enumerate(RULER_TASKS)}
         written.append(root / "long" / f"llama-{objective}.json")
         written[-1].write_text(json.dumps(record))
     return written
-
 
 
 # ----------------------------------------------------------------------------- the long-context suite
@@ -323,15 +322,15 @@ def write_long_context_jsons(root: Path, seeds=(0, 1)) -> list[Path]:
 NEEDLE_BINS = [(0.0, 0.5), (0.5, 1.0)]
 # niah_multikey scores (%) per (run, seq_len), a value per needle-depth bin
 NEEDLE_SCORES = {("long-vanilla", 128): [100.0, 80.0], ("long-vanilla", 256): [60.0, 40.0],
-                 ("long-dar-w8-d16", 128): [90.0, 10.0], ("long-dar-w8-d16", 256): [20.0, 0.0]}  # fmt: skip
+                 ("long-dar-w8-d16", 128): [90.0, 10.0], ("long-dar-w8-d16", 256): [20.0, 0.0]}
 
 
 def longctx_record(run: str, seq_len: int) -> dict:
     """A longctx job's JSON (dimattn.data.longctx): niah_single 100 in every bin, niah_multikey NEEDLE_SCORES."""
     model = {"attention": "vanilla", "hidden_size": 64} if run == "long-vanilla" else \
-        {"attention": "dar", "hidden_size": 64, "d_down": 16, "window": 8}  # fmt: skip
+        {"attention": "dar", "hidden_size": 64, "d_down": 16, "window": 8}
     bins = [{"depth_lo": lo, "depth_hi": hi, "score": s, "n": 6 + i}
-            for i, ((lo, hi), s) in enumerate(zip(NEEDLE_BINS, NEEDLE_SCORES[run, seq_len]))]  # fmt: skip
+            for i, ((lo, hi), s) in enumerate(zip(NEEDLE_BINS, NEEDLE_SCORES[run, seq_len]))]
     needle = {"niah_single": [b | {"score": 100.0} for b in bins], "niah_multikey": bins}
     return {"run": run, **model, "seed": 0, "corpus": f"suite{seq_len}", "split": "test", "seq_len": seq_len,
             "subtasks": {"niah_single": {"score": 0.0, "exact": 0.0, "n": 13}}, "average": 0.0, "needle": needle}
@@ -349,7 +348,7 @@ def write_longctx_jsons(root: Path) -> list[Path]:
 PROJECTED_AVERAGE = {("base", 0): 70.0, ("kl", 1): 60.0, ("dimpo", 1): 58.0, ("kl", 2): 50.0, ("dimpo", 2): 30.0}
 # niah_multikey per needle-depth bin at 128 tokens (seed s adds s); 256 tokens: 10 less
 PROJECTED_NEEDLE = {("base", 0): [100.0, 80.0], ("kl", 1): [99.0, 99.0], ("dimpo", 1): [99.0, 99.0],
-                    ("kl", 2): [70.0, 50.0], ("dimpo", 2): [40.0, 20.0]}  # fmt: skip
+                    ("kl", 2): [70.0, 50.0], ("dimpo", 2): [40.0, 20.0]}
 
 
 def write_projected_suite_jsons(root):
@@ -373,12 +372,31 @@ def write_latency_json(root: Path) -> Path:
     """dimattn.evaluation.latency rows of one model: fixed times, the cache of DimPO at d' = d / 4."""
     rows = []
     for i, (setting, l, kv, cache) in enumerate([("base", 0, "none", 1.0), ("snapkv", 0, "snapkv", 0.25),
-                                                ("dimpo l=4", 4, "none", 0.625)]):  # fmt: skip
-        rows.append({"model": "tiny_vanilla_d128", "d_prime": 8, "setting": setting, "num_projected": l, "kv": kv,
-                     "device": "cpu", "dtype": "float32", "prompt": 1024, "new": 32, "repeats": 3,
-                     "prefill_s": 0.1 + 0.01 * i, "decode_s": 0.01, "tokens_per_s": 100.0,
-                     "cache_bytes": 2**20 * cache, "peak_bytes": 2**24 + 2**20 * cache, "peak_kind": "weights_plus_cache",
-                     "prefill_ratio": 1 + 0.1 * i, "decode_ratio": 1.0, "cache_ratio": cache, "peak_ratio": 1.0})  # fmt: skip
+                                                ("dimpo l=4", 4, "none", 0.625)]):
+        rows.append(
+            {
+                "model": "tiny_vanilla_d128",
+                "d_prime": 8,
+                "setting": setting,
+                "num_projected": l,
+                "kv": kv,
+                "device": "cpu",
+                "dtype": "float32",
+                "prompt": 1024,
+                "new": 32,
+                "repeats": 3,
+                "prefill_s": 0.1 + 0.01 * i,
+                "decode_s": 0.01,
+                "tokens_per_s": 100.0,
+                "cache_bytes": 2**20 * cache,
+                "peak_bytes": 2**24 + 2**20 * cache,
+                "peak_kind": "weights_plus_cache",
+                "prefill_ratio": 1 + 0.1 * i,
+                "decode_ratio": 1.0,
+                "cache_ratio": cache,
+                "peak_ratio": 1.0,
+            }
+        )
     path = root / "latency" / "tiny.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rows))
@@ -564,7 +582,7 @@ def write_full(root: Path, runs=FULL) -> dict[str, list[Path]]:
         else:
             ppl = VANILLA_TEXT_PPL[hidden] * VANILLA_SEED_FACTOR[seed] * s["rel"] / 100
             record = meta | {"corpus": TEXT, "split": "test", "n_tokens": 1000, "loss": math.log(ppl), "ppl": ppl,
-                             "cache_bytes_per_token": cache_bytes(s["model"])}  # fmt: skip
+                             "cache_bytes_per_token": cache_bytes(s["model"])}
             (run_dir / f"perplexity_{TEXT}.json").write_text(json.dumps(record))
             out["ppl"].append(run_dir / f"perplexity_{TEXT}.json")
             # Downstream: accuracy follows the bottleneck like seed 000 Table 4; bits per byte the perplexity.

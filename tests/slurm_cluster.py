@@ -150,7 +150,7 @@ def slurm(*args, timeout=30) -> subprocess.CompletedProcess:
 
 def cluster_logs(state: Path) -> str:
     return "".join(f"\n== {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                   for p in sorted((state / "log").glob("*.log")) + [state / "munge" / "munged.log"] if p.exists())  # fmt: skip
+                   for p in sorted((state / "log").glob("*.log")) + [state / "munge" / "munged.log"] if p.exists())
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,7 @@ def _cluster(tmp_path_factory):
     host = socket.gethostname().split(".")[0]
     munge = state / "munge"
     daemons = [(state / "run" / "slurmd.pid", "slurmd"), (state / "run" / "slurmctld.pid", "slurmctld"),
-               (munge / "munged.pid", "munged")]  # fmt: skip
+               (munge / "munged.pid", "munged")]
     roots = [state]
     try:
         def start(*cmd):
@@ -206,7 +206,7 @@ def _cluster(tmp_path_factory):
                 slurm("scancel", *jobs)
                 deadline = time.monotonic() + 30
                 while slurm("squeue", "--noheader", "--states=RUNNING,PENDING,COMPLETING,CONFIGURING",
-                             "--format=%i").stdout.strip() and time.monotonic() < deadline:  # fmt: skip
+                             "--format=%i").stdout.strip() and time.monotonic() < deadline:
                     time.sleep(0.5)
         for pid_file, name in daemons:
             _stop(pid_file, name)

@@ -20,7 +20,7 @@ def apt_install_or_skip(packages: list[str], missing, what: str, timeout: int = 
     # unsafe-io: dpkg skips an fsync per unpacked file (texlive has thousands); a crash midway
     # leaves a scratch machine to reinstall, not a system to repair
     install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "Dpkg::Options::=--force-unsafe-io",
-               *packages]  # fmt: skip
+               *packages]
     out = subprocess.run(install, capture_output=True, text=True, env=env, timeout=timeout)
     if out.returncode != 0:  # a stale package list: update once, then try again
         subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env, timeout=600)

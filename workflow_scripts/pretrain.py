@@ -45,7 +45,7 @@ with logged(snakemake):
             "--checkpoint-dir", str(checkpoint_dir),
             "--device", snakemake.params.device,
             "--threads", str(threads),
-        ]  # fmt: skip
+        ]
         job_id = os.environ.get("SLURM_JOB_ID", "0")
         cmd = launch_command(
             cli_args,

@@ -11,10 +11,10 @@ with logged(snakemake):
     ds = p.scoring
     corpora = {"tokens": dict(zip(p.corpora, map(Path, inputs.tokens))),
                "recall": dict(zip(p.recall_corpora, map(Path, inputs.recall))),
-               "suite": dict(zip(p.suite_corpora, map(Path, inputs.suite)))}  # fmt: skip
+               "suite": dict(zip(p.suite_corpora, map(Path, inputs.suite)))}
     # one projected model a fit seed, in turn (the base model's job: one)
     for model_dir, seed, out, partial in zip(map(Path, inputs.model), p.seeds, snakemake.output, p.lm_eval_partial,
-                                             strict=True):  # fmt: skip
+                                             strict=True):
         config = ProjectedConfig.from_pretrained(model_dir)
         fields = {"model": wc.model, "objective": wc.objective, "setting": wc.setting, "d_prime": int(wc.d_prime),
                   "num_projected": int(wc.num_projected),

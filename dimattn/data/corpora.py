@@ -561,5 +561,7 @@ def load_loss_mask(bin_path, meta: dict) -> np.memmap | None:
         return None
     path = Path(bin_path).parent / name
     if not path.is_file() or path.stat().st_size != meta["n_tokens"]:
-        raise DataError(f"loss mask {path} is missing or not {meta['n_tokens']} bytes (named by {_meta_path(Path(bin_path))})")
+        raise DataError(
+            f"loss mask {path} is missing or not {meta['n_tokens']} bytes (named by {_meta_path(Path(bin_path))})"
+        )
     return np.memmap(path, dtype=np.uint8, mode="r", shape=(meta["n_tokens"],))

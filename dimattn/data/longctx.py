@@ -78,7 +78,15 @@ import numpy as np
 
 from dimattn.workflow.schema import dataset_defaults
 from dimattn.data.corpora import DataError
-from dimattn.data.recall import BOS_ID, EOS_ID, MAX_VOCAB, QUERY_ID, RECALL_SPECIALS, cache_bytes_per_token, decode_through_cache
+from dimattn.data.recall import (
+    BOS_ID,
+    EOS_ID,
+    MAX_VOCAB,
+    QUERY_ID,
+    RECALL_SPECIALS,
+    cache_bytes_per_token,
+    decode_through_cache,
+)
 from dimattn.data.recall import load_synthetic_examples, split_rng, word_level_tokenizer, write_synthetic_corpus
 from dimattn.workflow.sweeps import RULER_TASK  # there, torch-free: the reports read it
 
@@ -124,10 +132,13 @@ class LongContextSettings:
     fwe_words: int = _DEFAULTS["fwe_words"]  # RULER: the 3 most frequent
     fwe_alpha: float = _DEFAULTS["fwe_alpha"]  # RULER's zeta exponent
     qa_docs: int = _DEFAULTS["qa_docs"]
-    needle_depth: float | None = _DEFAULTS["needle_depth"]  # niah_single's needle at this share of the context; None: uniform
+    # niah_single's needle at this share of the context; None: uniform
+    needle_depth: float | None = _DEFAULTS["needle_depth"]
     # The layout (module docstring, "Layouts"): RULER's by default.
-    needles: str = _DEFAULTS["needles"]  # "tokens": a statement is "x = y"; "fused": one pair token (the recall probe's)
-    question_first: bool = _DEFAULTS["question_first"]  # <|query|> before the question, so the answer follows the asked key
+    # "tokens": a statement is "x = y"; "fused": one pair token (the recall probe's)
+    needles: str = _DEFAULTS["needles"]
+    # <|query|> before the question, so the answer follows the asked key
+    question_first: bool = _DEFAULTS["question_first"]
     drill: float = _DEFAULTS["drill"]  # share of the train split that is the key-asked drill (needles "fused")
     drill_pairs: int = _DEFAULTS["drill_pairs"]  # pairs of a drill example, in the first half of it
     max_positions: int | None = _DEFAULTS["max_positions"]  # the model's positions, where it has a limit
@@ -145,10 +156,10 @@ class LongContextSettings:
             if f.name in ("subtasks", "needles"):
                 continue
             kind = {"answer_loss": bool, "question_first": bool, "fwe_alpha": (int, float),
-                    "needle_depth": (int, float), "drill": (int, float)}.get(f.name, int)  # fmt: skip
+                    "needle_depth": (int, float), "drill": (int, float)}.get(f.name, int)
             if type(value) is bool and kind is not bool or not isinstance(value, kind):
                 raise SettingError(f.name, f"long-context setting {f.name} must be "
-                                           f"{getattr(kind, '__name__', 'a number')}, got {value!r}")  # fmt: skip
+                                           f"{getattr(kind, '__name__', 'a number')}, got {value!r}")
         if isinstance(self.subtasks, list):
             object.__setattr__(self, "subtasks", tuple(self.subtasks))
         unknown = [t for t in self.subtasks if t not in SUBTASKS]
@@ -161,11 +172,11 @@ class LongContextSettings:
             self._check("needles", self.needles == "fused", "'fused' for a drill (its pairs are the fused tokens)")
             self._check("drill_pairs", 1 <= self.drill_pairs <= min(self.n_keys, self.drill_context),
                         f"in [1, {min(self.n_keys, self.drill_context)}]: distinct keys placed in the drill's "
-                        f"context of {self.drill_context}")  # fmt: skip
+                        f"context of {self.drill_context}")
             self._check("seq_len", self.seq_len - 2 - self.drill_context >= 2, ">= 7: a drill query after its context")
         for name in ("n_keys", "n_values", "n_words", "multikey_needles", "multivalue_values", "multiquery_queries",
                      "vt_chains", "vt_hops", "cwe_words", "cwe_ratio", "fwe_words", "qa_docs", "n_train",
-                     "n_validation", "n_test"):  # fmt: skip
+                     "n_validation", "n_test"):
             self._check(name, getattr(self, name) >= 1, ">= 1")
         self._check("fwe_alpha", self.fwe_alpha > 0, "> 0")
         if self.needle_depth is not None:
@@ -175,15 +186,22 @@ class LongContextSettings:
             self._check("seq_len", self.seq_len <= self.max_positions,
                         f"<= max_positions={self.max_positions}, the positions the model holds")
         # distinct draws from a group need a group at least that large
-        need = {"niah_multikey": ("n_keys", self.multikey_needles), "niah_multiquery": ("n_keys", self.multiquery_queries),
-                "niah_multivalue": ("n_values", self.multivalue_values),
-                "vt": ("n_keys", self.vt_chains * (self.vt_hops + 1)), "cwe": ("n_words", self.cwe_words + 1),
-                "fwe": ("n_words", self.fwe_words + 1), "qa": ("n_keys", self.qa_docs)}  # fmt: skip
+        need = {
+            "niah_multikey": ("n_keys", self.multikey_needles),
+            "niah_multiquery": ("n_keys", self.multiquery_queries),
+            "niah_multivalue": ("n_values", self.multivalue_values),
+            "vt": ("n_keys", self.vt_chains * (self.vt_hops + 1)),
+            "cwe": ("n_words", self.cwe_words + 1),
+            "fwe": ("n_words", self.fwe_words + 1),
+            "qa": ("n_keys", self.qa_docs),
+        }
         for task, (group, count) in need.items():
             if task in self.subtasks:
                 self._check(group, getattr(self, group) >= count, f">= {count}: {task} draws {count} distinct of them")
         if "vt" in self.subtasks:
-            self._check("n_values", self.n_values >= self.vt_chains, f">= vt_chains={self.vt_chains} (distinct chain values)")
+            self._check(
+                "n_values", self.n_values >= self.vt_chains, f">= vt_chains={self.vt_chains} (distinct chain values)"
+            )
         if "qa" in self.subtasks:
             self._check("n_values", self.n_values >= self.qa_docs, f">= qa_docs={self.qa_docs} (distinct facts)")
         self._check("n_keys + n_values + n_words", self.vocab_size <= MAX_VOCAB, f"<= {MAX_VOCAB} (uint16 tokens, "
@@ -194,12 +212,12 @@ class LongContextSettings:
         if "cwe" in self.subtasks:
             self._check("seq_len", self.cwe_counts() is not None,
                         f"long enough for {self.cwe_words} common words cwe_ratio={self.cwe_ratio} times as frequent "
-                        f"as the other {self.n_words - self.cwe_words} (or more n_words)")  # fmt: skip
+                        f"as the other {self.n_words - self.cwe_words} (or more n_words)")
         if "fwe" in self.subtasks:
             counts = self.fwe_counts()
             self._check("seq_len", all(counts[i] > counts[i + 1] for i in range(self.fwe_words)),
                         f"long enough for distinct counts of the top {self.fwe_words + 1} words under fwe_alpha="
-                        f"{self.fwe_alpha} (counts {counts[: self.fwe_words + 1].tolist()})")  # fmt: skip
+                        f"{self.fwe_alpha} (counts {counts[: self.fwe_words + 1].tolist()})")
 
     def _check(self, name, ok, need):
         if not ok:
@@ -271,7 +289,7 @@ class LongContextSettings:
 
     def answer_len(self, task: str) -> int:
         return {"niah_multivalue": self.multivalue_values, "niah_multiquery": self.multiquery_queries,
-                "vt": self.vt_hops + 1, "cwe": self.cwe_words, "fwe": self.fwe_words}.get(task, 1)  # fmt: skip
+                "vt": self.vt_hops + 1, "cwe": self.cwe_words, "fwe": self.fwe_words}.get(task, 1)
 
     def context_len(self, task: str) -> int:
         return self.seq_len - 3 - self.question_len(task) - self.answer_len(task)
@@ -325,7 +343,9 @@ class LongContextSettings:
             "word_ids": [self.word_start, self.pair_start],
             "pair_ids": [self.pair_start, self.vocab_size],
             "ruler_tasks": {task: RULER_TASK[task] for task in self.subtasks},
-            "metric": {task: "string_match_part" if task in PART_SCORED else "string_match_all" for task in self.subtasks},
+            "metric": {
+                task: "string_match_part" if task in PART_SCORED else "string_match_all" for task in self.subtasks
+            },
         }
 
 
@@ -384,7 +404,11 @@ def _example(s: LongContextSettings, task: str, rng) -> tuple[list, list, np.nda
     """(question arguments, answer, context) of one example of ``task``, as token ids."""
     c = s.context_len(task)
     choose = lambda n, k: rng.choice(n, size=k, replace=False)  # noqa: E731 - distinct draws
-    key, value, word = (lambda i: s.key_start + int(i)), (lambda i: s.value_start + int(i)), (lambda i: s.word_start + int(i))
+    key, value, word = (
+        (lambda i: s.key_start + int(i)),
+        (lambda i: s.value_start + int(i)),
+        (lambda i: s.word_start + int(i)),
+    )
     context = s.word_start + rng.integers(0, s.n_words, size=c)  # the haystack
     if task in ("niah_single", "niah_multikey", "niah_multiquery"):
         m = {"niah_single": 1, "niah_multikey": s.multikey_needles, "niah_multiquery": s.multiquery_queries}[task]
@@ -524,7 +548,7 @@ def find_answers(examples: np.ndarray, layout: dict) -> list[tuple[str, int]]:
         out.append((task, prompt))
     if not ok.all():
         raise DataError(f"{int((~ok).sum())} of {n} examples break the long-context layout "
-                        f"(first: example {int(np.argmin(ok))})")  # fmt: skip
+                        f"(first: example {int(np.argmin(ok))})")
     return out
 
 
@@ -564,7 +588,7 @@ def score_predictions(subtasks: list[str], predictions: list[list[int]], answers
     for task in dict.fromkeys(subtasks):
         rows = [i for i, t in enumerate(subtasks) if t == task]
         scores = [example_score(task, " ".join(names[t] for t in predictions[i]), [names[t] for t in answers[i]])
-                  for i in rows]  # fmt: skip
+                  for i in rows]
         exact = np.mean([list(predictions[i]) == list(answers[i]) for i in rows])
         out[task] = {"score": float(100 * np.mean(scores)), "exact": float(100 * exact), "n": len(rows)}
     return {"subtasks": out, "average": float(np.mean([v["score"] for v in out.values()]))}
@@ -660,9 +684,9 @@ def score_suite(model, tokens_bin, batch_size: int, max_examples: int | None = N
     result = score_predictions([t for t, _ in answers], predictions, gold, names)
     depths = needle_depths(examples, answers, layout)
     scores = {i: example_score(answers[i][0], " ".join(names[t] for t in predictions[i]), [names[t] for t in gold[i]])
-              for i in depths}  # fmt: skip
+              for i in depths}
     needle = {task: needle_scores({i: d for i, d in depths.items() if answers[i][0] == task}, scores)
-              for task in NEEDLE_TASKS if task in layout["subtasks"]}  # fmt: skip
+              for task in NEEDLE_TASKS if task in layout["subtasks"]}
     cache = cache_bytes_per_token(model, examples[:1], answers[0][1])  # its prompt prefilled, its answer decoded
     return {"split": meta.get("split", "test"), "seq_len": length, **result, "needle": needle,
             "cache_bytes_per_token": cache}

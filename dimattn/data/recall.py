@@ -108,11 +108,21 @@ class RecallSettings:
         self._check("seed", self.seed >= 0, ">= 0")
         for name in ("n_pairs", "n_keys", "n_values", "n_filler", "n_train", "n_validation", "n_test"):
             self._check(name, getattr(self, name) >= 1, ">= 1")
-        self._check("n_keys", self.n_keys >= self.n_pairs, f">= n_pairs={self.n_pairs} (keys in an example are distinct)")
+        self._check(
+            "n_keys", self.n_keys >= self.n_pairs, f">= n_pairs={self.n_pairs} (keys in an example are distinct)"
+        )
         self._check("n_queries", 1 <= self.queries <= self.n_pairs, f"between 1 and n_pairs={self.n_pairs}")
-        self._check("n_keys + n_values + n_filler", self.vocab_size <= MAX_VOCAB, f"<= {MAX_VOCAB} (uint16 tokens): lower n_keys, n_values or n_filler")
+        self._check(
+            "n_keys + n_values + n_filler",
+            self.vocab_size <= MAX_VOCAB,
+            f"<= {MAX_VOCAB} (uint16 tokens): lower n_keys, n_values or n_filler",
+        )
         pair_end = 1 + self.pair_stride * self.n_pairs  # first position after the pair block
-        self._check("min_query_pos", self.min_query_pos >= pair_end, f">= {pair_end}, the first position after bos and {self.n_pairs} pairs")
+        self._check(
+            "min_query_pos",
+            self.min_query_pos >= pair_end,
+            f">= {pair_end}, the first position after bos and {self.n_pairs} pairs",
+        )
         room = self.seq_len - 1 - self.min_query_pos  # positions min_query_pos .. seq_len - 2
         self._check(
             "seq_len",
@@ -331,7 +341,12 @@ def write_recall_corpus(settings: RecallSettings, out_dir) -> dict:
         mask[queries[:, 0], queries[:, 1] + 1] = 1
         return examples, mask
 
-    meta = {"vocab_size": settings.vocab_size, "source": SOURCE, "recall": settings.layout(), "settings": asdict(settings)}
+    meta = {
+        "vocab_size": settings.vocab_size,
+        "source": SOURCE,
+        "recall": settings.layout(),
+        "settings": asdict(settings),
+    }
     return write_synthetic_corpus(out_dir, make_split, build_tokenizer(settings), meta)
 
 
@@ -451,7 +466,7 @@ def predict_at_queries(model, examples: np.ndarray, queries: np.ndarray, batch_s
 
 
 def predict_through_cache(model, examples: np.ndarray, queries: np.ndarray, prefill: int,
-                          batch_size: int) -> np.ndarray:  # fmt: skip
+                          batch_size: int) -> np.ndarray:
     """The model's argmax at each query position when the first ``prefill`` tokens of an
     example are one prompt and the rest are fed a token at a time through the model's KV cache
     (teacher forced): the context is prefilled and cached, the questions are decoded against
@@ -466,7 +481,9 @@ def predict_through_cache(model, examples: np.ndarray, queries: np.ndarray, pref
         raise ValueError(f"prefill must be in 1..{length - 1}, got {prefill}")
     device = next(model.parameters()).device
     # the last token predicts nothing scored
-    return _predict(examples, queries, batch_size, device, lambda x: decode_through_cache(model, x, prefill, length - 1))
+    return _predict(
+        examples, queries, batch_size, device, lambda x: decode_through_cache(model, x, prefill, length - 1)
+    )
 
 
 def decode_through_cache(model, x, prefill: int, stop: int, greedy: bool = False, return_cache: bool = False):
@@ -512,7 +529,7 @@ def cache_bytes_per_token(model, x, prefill: int | None = None) -> float:
 
 
 def score_recall(model, tokens_bin, batch_size: int, distance_bins: list[int] | None = None,
-                 max_examples: int | None = None, through_cache: bool = False) -> dict:  # fmt: skip
+                 max_examples: int | None = None, through_cache: bool = False) -> dict:
     """Recall accuracy of a loaded model on the examples of tokens_bin (or the first
     max_examples), overall and by distance bin, with the split and chance level.
 

@@ -35,7 +35,7 @@ _capture_rows: tuple[int, int] = (0, 0)  # (first row of the batch, N)
 
 
 def _capture_attention(module, query, key, value, attention_mask, *, far_key=None, far_value=None, window=None,
-                       attend=None, **kwargs):  # fmt: skip
+                       attend=None, **kwargs):
     """Record (q, k, v) of ``module.layer_idx``, and (k_far, v_far) and the window of a DAR or
     uniform layer, then attend exactly as the model would: ``sdpa``, or the layer's own kernels
     (``attend``, dimattn.model.modeling_dimattn.CausalSelfAttention._attention)."""
@@ -137,14 +137,14 @@ def token_windows(tokens_bin, seq_len: int, n_sequences: int):
     example_len = meta.get("example_len")
     if example_len is not None and seq_len != example_len:
         raise DataError(f"{tokens_bin} holds examples of {example_len} tokens; capture at seq_len {example_len}, "
-                        f"not {seq_len}")  # fmt: skip
+                        f"not {seq_len}")
     if len(tokens) < seq_len * n_sequences:
         raise DataError(f"{tokens_bin} holds {len(tokens)} tokens, fewer than {n_sequences} windows of {seq_len}")
     return torch.from_numpy(tokens[: seq_len * n_sequences].astype("int64").reshape(n_sequences, seq_len))
 
 
 def capture_to_file(source, documents, seq_len: int, n_sequences: int, out_path, model_name: str,
-                    device: str = "cpu", batch_size: int = 1, hparams=None) -> dict:  # fmt: skip
+                    device: str = "cpu", batch_size: int = 1, hparams=None) -> dict:
     """Load the frozen model and tokenizer at ``source`` (our run directory or a hub name),
     capture q/k/v on windows of the jsonl ``documents`` (or of a token corpus ``.bin``, see
     :func:`token_windows`) and save them; returns the metadata.
@@ -165,12 +165,12 @@ def capture_to_file(source, documents, seq_len: int, n_sequences: int, out_path,
     else:
         texts = (doc["text"] for doc in read_documents(documents))
         ids = document_windows(AutoTokenizer.from_pretrained(source), texts, seq_len, n_sequences,
-                               settings.special_tokens)  # fmt: skip
+                               settings.special_tokens)
     model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=ours, dtype=dtype).to(device).eval()
     capture = capture_qkv(model, ids, batch_size=batch_size)
     meta = {
         "model": model_name, "source": str(source), "documents": str(documents),
         "capture_dtype": settings.capture_dtype, "special_tokens": settings.special_tokens,
-    }  # fmt: skip
+    }
     save_capture(capture, out_path, meta)
     return read_metadata(out_path)

@@ -70,7 +70,7 @@ def load_capture(path):
             len(q) == len(k) == len(v) == 4
             and q[0] == k[0] == v[0] and q[2] == k[2] == v[2]  # sequences, positions
             and q[3] == k[3] and k[1] == v[1] and k[1] > 0 and q[1] % k[1] == 0  # head_dim, GQA groups
-        )  # fmt: skip
+        )
         if not ok:
             raise DamagedFileError(
                 f"{what} {path}: layer {layer} has q {q}, k {k}, v {v}; expected q (N, H, T, d), "
@@ -82,16 +82,16 @@ def load_capture(path):
         far = {part: parts[part] for part in ("k_far", "v_far") if part in parts}
         if far and far != {"k_far": k, "v_far": v}:
             raise DamagedFileError(f"{what} {path}: layer {layer} has {far}; expected k_far {k} and v_far {v}, "
-                                   "shaped as k and v")  # fmt: skip
+                                   "shaped as k and v")
     n, heads, seq_len, head_dim = shapes[first]["q"]
     derived = dict(head_dim=head_dim, heads=heads, kv_heads=shapes[first]["k"][1], seq_len=seq_len,
-                   n_sequences=n, layers=sorted(shapes))  # fmt: skip
+                   n_sequences=n, layers=sorted(shapes))
     check_meta(path, what, meta, derived)
     windows = meta.get("windows", {})
     far = sorted(layer for layer, parts in shapes.items() if "k_far" in parts)
     if sorted(int(layer) for layer in windows) != far:
         raise DamagedFileError(f"{what} {path}: metadata gives windows of layers {sorted(map(int, windows))}, "
-                               f"the tensors hold far keys of layers {far}")  # fmt: skip
+                               f"the tensors hold far keys of layers {far}")
     for layer in far:
         capture.extra[layer] = {"window": int(windows[str(layer)])}
     return capture, meta

@@ -21,7 +21,7 @@ FIDELITY_TOP_K_SHARE = 1 / 64
 @torch.no_grad()
 def attention_fidelity(capture, projections, *, causal: bool = False, scale: str = "d_prime",
                        mse_head_chunk: int = 0, chunk_size: int = 256, device=None, top_k: int = 0
-                       ) -> list[dict]:  # fmt: skip
+                       ) -> list[dict]:
     """Per projected layer, the authors' metrics (attn_similarity.py) over every (sequence,
     head, query position): mean KL = sum_j psi_j (log psi_j - log(pi_j + 1e-9)) and the mean
     squared error between psi V and pi V (V repeated over the query heads of a key/value
@@ -45,13 +45,13 @@ def attention_fidelity(capture, projections, *, causal: bool = False, scale: str
             raise KeyError(f"projection for layer {layer} but the capture has layers {sorted(capture)}")
         # a function a layer: its tensors are freed before the next layer is read (LayerFile)
         kl, mse, recall = _layer_fidelity(capture[layer], projection, causal, scale, mse_head_chunk, chunk_size,
-                                          device, top_k)  # fmt: skip
+                                          device, top_k)
         rows.append({"layer": layer, "kl": kl, "mse": mse} | ({"topk_recall": recall} if top_k else {}))
     return rows
 
 
 def _layer_fidelity(parts, projection, causal, scale, mse_head_chunk, chunk_size, device, top_k=0
-                    ) -> tuple[float, float, float]:  # fmt: skip
+                    ) -> tuple[float, float, float]:
     """(mean KL, mean MSE, mean top-k recall or 0.0) of one layer (attention_fidelity)."""
     q, k, v = (parts[name].to(device) for name in "qkv")
     far = "k_far" in parts
@@ -80,7 +80,9 @@ def _layer_fidelity(parts, projection, causal, scale, mse_head_chunk, chunk_size
                 full = torch.where(near, full, torch.einsum("hgcd,htd->hgct", qc, far_keys) / math.sqrt(d))
                 low = torch.where(near, low, torch.einsum("hgcd,htd->hgct", u, far_keys) * low_scale)
             if causal:
-                future = torch.arange(width, device=q.device)[None, :] > torch.arange(start, stop, device=q.device)[:, None]
+                future = (
+                    torch.arange(width, device=q.device)[None, :] > torch.arange(start, stop, device=q.device)[:, None]
+                )
                 full, low = full.masked_fill(future, float("-inf")), low.masked_fill(future, float("-inf"))
             log_psi = torch.log_softmax(full, -1)
             psi, pi = log_psi.exp(), torch.softmax(low, -1)

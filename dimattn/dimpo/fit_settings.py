@@ -79,7 +79,7 @@ def resolve_settings(objective: str | None = None, hparams=None) -> FitSettings:
         get_objective(name)
     values = dict(PRESETS[preset])
     layers = [dict(get_objective(objective).defaults) if objective is not None else {}, hp,
-              (per.get(objective) or {}) if objective is not None else {}, setting]  # fmt: skip
+              (per.get(objective) or {}) if objective is not None else {}, setting]
     for layer in layers:
         if "k" in layer and "k_share" not in layer:  # a k given later wins over an earlier share
             values["k_share"] = None

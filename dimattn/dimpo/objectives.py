@@ -221,7 +221,7 @@ def cpo_loss(s_w, s_l, beta: float = 1.0, lam: float = 0.1, reduce: bool = True)
 def triplet_loss(anchor, positive, negative, margin: float = 0.1, reduce: bool = True):
     """Mongoose's triplet loss: torch's TripletMarginLoss (Euclidean, eps 1e-6, mean)."""
     return F.triplet_margin_loss(anchor, positive, negative, margin=margin, p=2,
-                                 reduction="mean" if reduce else "none")  # fmt: skip
+                                 reduction="mean" if reduce else "none")
 
 
 # ---- pair selection (section 3.3 and Appendix B) ------------------------------------------------

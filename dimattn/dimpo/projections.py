@@ -47,7 +47,12 @@ from dimattn.dimpo.objectives import get_objective, pca_projection, select_pairs
 from dimattn.workflow.resources import fit_group
 from dimattn.workflow.settings import key_list_length, resolve_top_k
 
-from dimattn.dimpo.capture_files import CAPTURE_PARTS, load_capture, near_mask, save_capture  # noqa: F401 (re-read by the fits)
+from dimattn.dimpo.capture_files import (
+    CAPTURE_PARTS,
+    load_capture,
+    near_mask,
+    save_capture,
+)  # noqa: F401 (re-read by the fits)
 from dimattn.dimpo.fidelity import FIDELITY_TOP_K_SHARE, attention_fidelity
 from dimattn.dimpo.fit_settings import FitSettings, resolve_settings, with_top_k
 
@@ -149,7 +154,7 @@ def build_instances(layer_capture, settings: FitSettings, generator: torch.Gener
         subset = torch.rand(n, k.shape[1], seq_len, generator=generator).argsort(-1)[..., :n_keys].to(q.device)
     seq, head, pos = seq.to(q.device), head.to(q.device), pos.to(q.device)
     return Instances(seq, head, pos, q[seq, head, pos], k, heads // k.shape[1], settings.causal, subset,
-                     layer_capture.get("k_far"), layer_capture.get("window", 0))  # fmt: skip
+                     layer_capture.get("k_far"), layer_capture.get("window", 0))
 
 
 @dataclass
@@ -182,7 +187,7 @@ def build_pairs(instances: Instances, settings: FitSettings, generator: torch.Ge
         rows, chosen, rejected = select_pairs(
             b["scores"], b["mask"], settings.pair_mode, generator=generator,
             num_pairs=settings.num_pairs, distance=settings.pair_distance,
-        )  # fmt: skip
+        )
         positions = b["positions"]
         parts.append((index.to(rows.device)[rows], positions[rows, chosen], positions[rows, rejected]))
     return Pairs(*(torch.cat(column) for column in zip(*parts)))
@@ -260,7 +265,7 @@ HISTORY_POINTS = 500  # at most about this many (step, mean loss) points are kep
 
 
 def fit_layer(layer_capture, objective: str, d_prime: int, hparams=None, seed: int = 0, *, progress=True,
-              device=None):  # fmt: skip
+              device=None):
     """Fit F for one layer. Returns (Affine on the CPU, history).
 
     history: [(step, mean minibatch loss since the previous point)], empty for closed-form
@@ -272,7 +277,7 @@ def fit_layer(layer_capture, objective: str, d_prime: int, hparams=None, seed: i
 
 
 def fit_layers(layer_captures: Mapping, objective: str, d_prime: int, hparams=None, seeds: Mapping | None = None, *,
-               progress=True, device=None) -> dict:  # fmt: skip
+               progress=True, device=None) -> dict:
     """:func:`fit_layer` of each of several layers ({layer: capture}, each with its seed, 0 by
     default), stepped in lockstep: {layer: (Affine, history)}, each as that layer's fit alone.
 
@@ -352,7 +357,7 @@ def fit_layers(layer_captures: Mapping, objective: str, d_prime: int, hparams=No
         layer: (Affine(weights[g].detach().cpu().clone(), biases[g].detach().cpu().clone() if biases else None),
                 histories[layer])
         for g, layer in enumerate(layers)
-    }  # fmt: skip
+    }
 
 
 def lockstep_group(layer_capture, layers: int) -> int:
@@ -362,7 +367,7 @@ def lockstep_group(layer_capture, layers: int) -> int:
 
 
 def fit_projections(capture, objective: str, d_prime: int, hparams=None, seed: int = 0, *, progress=True,
-                    return_history=False, device=None):  # fmt: skip
+                    return_history=False, device=None):
     """{layer: Affine} for every captured layer, each fitted with seed ``seed + layer`` as if
     alone; the layers go in lockstep groups (:func:`fit_layers`) of as many as fit in
     dimattn.workflow.resources.FIT_LOCKSTEP_BYTES, read a group at a time from a LayerFile.
@@ -379,7 +384,7 @@ def fit_projections(capture, objective: str, d_prime: int, hparams=None, seed: i
         group_captures = {layer: first if layer == layers[0] else capture[layer] for layer in chunk}
         first = None  # held by the first group only: a group's layers are all a job keeps
         fits = fit_layers(group_captures, objective, d_prime, settings, {layer: seed + layer for layer in chunk},
-                          progress=progress, device=device)  # fmt: skip
+                          progress=progress, device=device)
         del group_captures
         for layer, (projection, history) in fits.items():
             out[layer], histories[layer] = projection, history
@@ -416,7 +421,7 @@ def fit_to_file(capture_path, objective: str, d_prime: int, hparams, out_path, d
 
 
 def fidelity_to_file(capture_path, projections_path, out_csv, model_name: str, objective: str, d_prime: int,
-                     setting: str = "default", device: str | None = None) -> list[dict]:  # fmt: skip
+                     setting: str = "default", device: str | None = None) -> list[dict]:
     """Per-layer attention fidelity on the evaluation capture, as a CSV with
     dimattn.workflow.formats.FIDELITY_COLUMNS.
 
@@ -436,12 +441,12 @@ def fidelity_to_file(capture_path, projections_path, out_csv, model_name: str, o
 
     def score(scale, top_k=0):
         return attention_fidelity(capture, projections, causal=settings.causal, scale=scale,
-                                  mse_head_chunk=settings.mse_head_chunk, device=device, top_k=top_k)  # fmt: skip
+                                  mse_head_chunk=settings.mse_head_chunk, device=device, top_k=top_k)
 
     train = score(settings.train_scale, top_k)  # a logit scale does not reorder keys: top-k once
     inference = train if settings.inference_scale == settings.train_scale else score(settings.inference_scale)
     fit = {"model": model_name, "objective": objective, "setting": setting, "d_prime": d_prime,
-           "head_dim": meta["head_dim"], "seed": int(pmeta["seed"])}  # fmt: skip
+           "head_dim": meta["head_dim"], "seed": int(pmeta["seed"])}
     rows = [
         fit | {"layer": t["layer"], "kl": t["kl"], "mse": t["mse"], "kl_inference": i["kl"], "mse_inference": i["mse"],
                "top_k": top_k, "topk_recall": t["topk_recall"]}
@@ -461,7 +466,7 @@ def _file_identity(path: Path) -> list:
 
 def fit_seeds_to_files(fit_capture, eval_capture, objective: str, d_prime: int, hparams, seeds, projections_out,
                        fidelity_out, partial_dir, model_name: str, setting: str = "default",
-                       device: str = "cpu") -> None:  # fmt: skip
+                       device: str = "cpu") -> None:
     """One fit_projection job: :func:`fit_to_file` and :func:`fidelity_to_file` for each fit seed
     of ``seeds`` (dimpo.seeds) in turn, into ``projections_out[i]`` and ``fidelity_out[i]``.
 
@@ -474,7 +479,7 @@ def fit_seeds_to_files(fit_capture, eval_capture, objective: str, d_prime: int, 
     partial_dir = Path(partial_dir)
     if not len(seeds) == len(projections_out) == len(fidelity_out):
         raise ValueError(f"{len(seeds)} seeds for {len(projections_out)} projection and {len(fidelity_out)} "
-                         f"fidelity outputs")  # fmt: skip
+                         f"fidelity outputs")
     spec = {"objective": objective, "d_prime": int(d_prime), "hparams": dict(hparams or {}), "setting": setting,
             "fit_capture": _file_identity(fit_capture), "eval_capture": _file_identity(eval_capture)}
     for seed, projections, fidelity in zip(seeds, projections_out, fidelity_out):

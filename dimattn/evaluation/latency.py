@@ -62,7 +62,7 @@ def _run(model, prompt, new: int, device: str) -> tuple[float, float, int, int |
 
 
 def measure(base, projections: dict, prompt_len: int, new: int, repeats: int, device: str = "cpu",
-            vocab_size: int | None = None, seed: int = 2) -> list[dict]:  # fmt: skip
+            vocab_size: int | None = None, seed: int = 2) -> list[dict]:
     """One row per setting (the base model first): medians over ``repeats`` of prefill seconds,
     seconds per decoded token, tokens/s, cache bytes and peak bytes, and each as a ratio to the
     base model's (median of the paired repeats). ``base`` is a causal LM on ``device``; it is
@@ -91,7 +91,7 @@ def measure(base, projections: dict, prompt_len: int, new: int, repeats: int, de
                "decode_s": statistics.median(m[1] for m in mine),
                "cache_bytes": statistics.median(m[2] for m in mine),
                "peak_bytes": statistics.median(peak),
-               "peak_kind": "cuda_max_allocated" if mine[0][3] is not None else "weights_plus_cache"}  # fmt: skip
+               "peak_kind": "cuda_max_allocated" if mine[0][3] is not None else "weights_plus_cache"}
         row["tokens_per_s"] = 1.0 / row["decode_s"]
         for key, i in (("prefill", 0), ("decode", 1), ("cache", 2)):
             row[f"{key}_ratio"] = statistics.median(m[i] / b[i] if b[i] else float("nan") for b, m in pairs)
@@ -101,7 +101,7 @@ def measure(base, projections: dict, prompt_len: int, new: int, repeats: int, de
 
 
 def latency_to_file(source: str, projections_path, out_json, model_name: str, prompt: int, new: int,
-                    repeats: int, device: str = "cpu") -> list[dict]:  # fmt: skip
+                    repeats: int, device: str = "cpu") -> list[dict]:
     """The rows of :func:`measure` for the model at ``source`` (our run directory or a hub name)
     with the fitted projections at ``projections_path``, as JSON with the model's name."""
     from transformers import AutoModelForCausalLM

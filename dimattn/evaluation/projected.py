@@ -27,7 +27,7 @@ HUB_MODEL_SKIP = ["original/*"]
 
 def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_json: Path,
              lm_eval_tasks: list[dict] = (), allow_unsafe_code: bool = False,
-             ruler_qa_sources: dict | None = None) -> dict:  # fmt: skip
+             ruler_qa_sources: dict | None = None) -> dict:
     """Fill the Hugging Face cache on a machine with network (a SLURM login node), so that compute
     nodes run offline: the files of each hub model that from_pretrained reads (HUB_MODEL_FILES),
     and each lm-eval task built once with that model's tokenizer, which downloads its dataset
@@ -67,7 +67,7 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
                     max_tokens: int | None, tasks: list[dict], limit: int | None, out_json: Path,
                     metadata: dict | None = None, device: str = "cpu",
                     recall: dict[str, Path] | None = None, partial_dir: Path | None = None,
-                    precision: str = "fp32", suite: dict[str, Path] | None = None) -> dict:  # fmt: skip
+                    precision: str = "fp32", suite: dict[str, Path] | None = None) -> dict:
     """A projected model directory (dimattn.model.modeling_projected) scored as our runs are: held-out
     perplexity per corpus ({corpus: tokens.bin}), the recall probe per synthetic corpus
     ({corpus: test tokens.bin}; the context prefilled and the questions decoded through the
@@ -93,7 +93,7 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
         model = load_model(model_dir, device)
         for corpus, path in tokens.items():
             record["perplexity"][corpus] = perplexity(model, load_tokens(path)[0], seq_len, batch_size, max_tokens,
-                                                    precision)  # fmt: skip
+                                                    precision)
         for corpus, path in (recall or {}).items():
             record["recall"][corpus] = score_recall(model, path, batch_size, through_cache=True)
         for corpus, path in (suite or {}).items():
@@ -104,7 +104,7 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
         model = None
     if tasks:
         record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata,
-                                      partial_dir=partial_dir, model=model, precision=precision))  # fmt: skip
+                                      partial_dir=partial_dir, model=model, precision=precision))
     del model
     write_json(record, out_json)
     if partial_dir is not None:

@@ -39,7 +39,7 @@ def load_model(model_dir: Path, device: str = "cpu"):
 
 @torch.no_grad()
 def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: int | None = None,
-               precision: str = "fp32") -> dict:  # fmt: skip
+               precision: str = "fp32") -> dict:
     """Mean next-token NLL over non-overlapping windows of seq_len covering the split;
     ``precision`` (dimattn.pretraining.precision, evaluation.precision) autocasts the forwards;
     ``cache_bytes_per_token``: the model's generation cache over the first window
@@ -72,7 +72,7 @@ def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tok
 
 def evaluate_perplexity(model_dir: Path, tokens_bin: Path, corpus: str, seq_len: int, batch_size: int,
                         max_tokens: int | None, out_json: Path, device: str = "cpu", model=None,
-                        precision: str = "fp32") -> dict:  # fmt: skip
+                        precision: str = "fp32") -> dict:
     """``model``: model_dir already loaded (load_model), so that one job loads it once."""
     tokens, _ = load_tokens(tokens_bin)
     model = load_model(model_dir, device) if model is None else model
@@ -152,7 +152,7 @@ def _fingerprint(model_dir: Path) -> dict:
 
 
 def long_enough_samples(lm, manager, name: str, shots: int, chat: bool, limit: int | None,
-                        min_tokens: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:  # fmt: skip
+                        min_tokens: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """Seed 000 Table 4 "exclude[s] samples whose input context is shorter than the window": the
     documents of task ``name`` (each subtask of a group) whose context, the few-shot examples
     included, has at least ``min_tokens`` tokens of the model's tokenizer, as lm-eval's
@@ -174,7 +174,7 @@ def long_enough_samples(lm, manager, name: str, shots: int, chat: bool, limit: i
             task.build_all_requests(limit=get_sample_size(task, limit) if keep is None else None, samples=keep,
                                     rank=0, world_size=1, apply_chat_template=chat, fewshot_as_multiturn=True,
                                     chat_template=lm.apply_chat_template if chat else None,
-                                    tokenizer_name=lm.tokenizer_name if chat else "")  # fmt: skip
+                                    tokenizer_name=lm.tokenizer_name if chat else "")
             lengths = {inst.doc_id: len(lm.tok_encode(inst.args[0])) for inst in task.instances}
             total = len(lengths) if total is None else total
             index = keep if keep is not None else sorted(lengths)  # with samples, doc ids count the subset
@@ -197,7 +197,7 @@ def in_dtype(model, dtype: str) -> bool:
 def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, device: str = "cpu",
                     dtype: str = "float32", metadata: dict | None = None, allow_unsafe_code: bool = False,
                     partial_dir: Path | None = None, min_context: int | None = None, model=None,
-                    precision: str = "fp32") -> dict:  # fmt: skip
+                    precision: str = "fp32") -> dict:
     """lm-eval's own `hf` model on ``model_dir``: {"results": ..., "num_fewshot": ...}.
 
     tasks = [{"name", "num_fewshot", "batch_size", "chat_template", "dtype"}] (the last three
@@ -228,7 +228,7 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
     manager = TaskManager(
         include_path=str(TASKS_DIR), include_defaults=any(t["name"] not in own for t in tasks),
         metadata={"tokenizer": str(model_dir), **(metadata or {})} if metadata else None,
-    )  # fmt: skip
+    )
     fingerprint = _fingerprint(model_dir)
     mixed = resolve_precision(precision, device)
     results, configs, failed, filtered = {}, {}, {}, {}
@@ -243,7 +243,7 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
     # grouped by model settings, so the model loads once a (dtype, batch size)
     for t in sorted(tasks, key=key):
         spec = {"task": t, "limit": limit, "metadata": metadata or {}, "model": fingerprint, "min_context": min_context,
-                "precision": mixed}  # fmt: skip
+                "precision": mixed}
         partial = Path(partial_dir) / f"{t['name']}.json" if partial_dir is not None else None
         if partial is not None and partial.is_file():
             done = json.loads(partial.read_text())
@@ -260,12 +260,12 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
                 # device); the tokenizer is still the directory's
                 loaded = model is not None and in_dtype(model, task_dtype)
                 autocast_args = ({"mixed_precision_dtype": "bfloat16", "softmax_dtype": "float32"}
-                                 if mixed == "bf16" and task_dtype == "float32" else {})  # fmt: skip
+                                 if mixed == "bf16" and task_dtype == "float32" else {})
                 lm = get_model("hf").create_from_arg_obj(
                     {"pretrained": model if loaded else str(model_dir), "tokenizer": str(model_dir),
                      "trust_remote_code": True, "dtype": task_dtype, **autocast_args},
                     {"batch_size": size, "device": device},
-                )  # fmt: skip
+                )
                 lm_key = (task_dtype, size)
             samples, counts = None, {}
             if min_context:
@@ -292,7 +292,7 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
             failed[t["name"]] = f"{type(e).__name__}: {e}"
             continue
         done = {"spec": spec, "results": _jsonable(out["results"]), "context_filter": counts,
-                "num_fewshot": {k: v.get("num_fewshot") for k, v in out.get("configs", {}).items()}}  # fmt: skip
+                "num_fewshot": {k: v.get("num_fewshot") for k, v in out.get("configs", {}).items()}}
         if partial is not None:
             write_json(done, partial)
         results.update(done["results"])
@@ -302,7 +302,7 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
         kept = f"; the others are kept in {partial_dir}, and a rerun scores only the failed" if partial_dir else ""
         raise RuntimeError(f"lm-eval tasks failed on {model_dir}: {failed}{kept}")
     return ({"results": _jsonable(results), "num_fewshot": configs, "precision": mixed}
-            | ({"context_filter": filtered} if min_context else {}))  # fmt: skip
+            | ({"context_filter": filtered} if min_context else {}))
 
 
 def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: str = "cpu",
@@ -322,7 +322,7 @@ def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: st
 
 
 def evaluate_longctx(model_dir, tokens_bin, out_json, batch_size: int, device: str = "cpu", corpus: str = "longctx",
-                     max_examples: int | None = None) -> dict:  # fmt: skip
+                     max_examples: int | None = None) -> dict:
     """The long-context suite's scores (:func:`dimattn.data.longctx.score_suite`) of the run at
     model_dir on one suite corpus, as JSON."""
     from dimattn.data.longctx import score_suite
@@ -351,7 +351,7 @@ def _without_env_info():
 def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
                 device: str = "cpu", dtype: str = "float32", allow_unsafe_code: bool = False,
                 partial_dir: Path | None = None, exclude_shorter_than_window: bool = False, model=None,
-                precision: str = "fp32") -> dict:  # fmt: skip
+                precision: str = "fp32") -> dict:
     """lm_eval_results of one of our runs, with its run fields, as JSON; the per-task partial
     results (``partial_dir``) are removed once the whole record is written.
     ``exclude_shorter_than_window``: seed 000 Table 4's filter at the run's window (a run without
@@ -360,7 +360,7 @@ def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int 
     window = meta.get("window") if exclude_shorter_than_window else None
     record = {**meta, **lm_eval_results(model_dir, tasks, batch_size, limit, device, dtype,
                                         allow_unsafe_code=allow_unsafe_code, partial_dir=partial_dir,
-                                        min_context=window or None, model=model, precision=precision)}  # fmt: skip
+                                        min_context=window or None, model=model, precision=precision)}
     write_json(record, out_json)
     if partial_dir is not None:
         shutil.rmtree(partial_dir, ignore_errors=True)

@@ -138,7 +138,7 @@ def _sort_metadata(path: Path) -> None:
         if not meta:
             return
         text = json.dumps({"__metadata__": dict(sorted(meta.items())), **header}, separators=(",", ":"),
-                          ensure_ascii=False).encode()  # fmt: skip
+                          ensure_ascii=False).encode()
         if len(text) <= size:  # the same JSON, reordered: always, unless escapes were written differently
             f.seek(8)
             f.write(text.ljust(size, b" "))

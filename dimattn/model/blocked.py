@@ -257,7 +257,9 @@ class Band(_Path):
         p, _ = self._probabilities(qb, kp, b, m, nb, lseb)
         ds = (dob @ self._spans_t(vp, b, m)).sub_((dob * ob).sum(-1, keepdim=True)).mul_(p)
         dq = (ds @ self._spans_t(kp, b, m).transpose(-1, -2)) * scale
-        dk, dv = torch.zeros_like(kp).unflatten(-2, (nb + m - 1, b)), torch.zeros_like(vp).unflatten(-2, (nb + m - 1, b))
+        dk, dv = torch.zeros_like(kp).unflatten(-2, (nb + m - 1, b)), torch.zeros_like(vp).unflatten(
+            -2, (nb + m - 1, b)
+        )
         for c in range(m):  # chunk c of query block n's span is key block n + c (padded index)
             chunk = slice(c * b, (c + 1) * b)
             dk[..., c : c + nb, :, :] += ds[..., chunk].transpose(-1, -2) @ qb
@@ -364,7 +366,9 @@ def _sum_rows(parts, t):
     parts = sorted(parts, key=lambda x: -x.shape[-2])
     first = parts[0]
     wide = torch.promote_types(first.dtype, torch.float32)
-    total = first.to(wide) if first.shape[-2] == t else first.new_zeros(*first.shape[:-2], t, first.shape[-1], dtype=wide)
+    total = (
+        first.to(wide) if first.shape[-2] == t else first.new_zeros(*first.shape[:-2], t, first.shape[-1], dtype=wide)
+    )
     for part in parts[1:] if first.shape[-2] == t else parts:
         if part.shape[-2]:
             total[..., t - part.shape[-2] :, :] += part

@@ -43,7 +43,7 @@ class ProjectedConfig(PretrainedConfig):
 
     def __init__(self, base_model: str = "", num_projected: int = 0, scale: str = "d_prime",
                  projections: str = PROJECTIONS_FILE, base_trust_remote_code: bool = False, kv: dict | None = None,
-                 **kwargs):  # fmt: skip
+                 **kwargs):
         super().__init__(**kwargs)
         self.kv = kv
         self.base_model = base_model
@@ -54,7 +54,7 @@ class ProjectedConfig(PretrainedConfig):
 
 
 def save_projected_model(out_dir, base_model: str, projections_path, num_projected: int, scale: str = "d_prime",
-                         kv: dict | None = None, meta: dict | None = None) -> Path:  # fmt: skip
+                         kv: dict | None = None, meta: dict | None = None) -> Path:
     """Write a projected model directory at ``out_dir`` (atomically): config, projections,
     tokenizer, and the loader (dimattn.model.modeling_projected and what it imports). ``base_model``: our run directory or a hub name; the base
     weights are referenced, not copied. ``projections_path`` None: the base model itself
@@ -69,7 +69,7 @@ def save_projected_model(out_dir, base_model: str, projections_path, num_project
     config = ProjectedConfig(
         base_model=str(Path(base_model).resolve()) if ours or Path(base_model).exists() else base_model,
         num_projected=num_projected, scale=scale, base_trust_remote_code=ours, kv=kv,
-    )  # fmt: skip
+    )
     config.auto_map = {
         "AutoConfig": "configuration_projected.ProjectedConfig",
         "AutoModelForCausalLM": "modeling_projected.ProjectedForCausalLM",

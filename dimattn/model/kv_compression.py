@@ -63,7 +63,9 @@ FP16_BYTES = 2  # KIVI keeps each group's scale and minimum in the model dtype, 
 
 def _check_kv(keys: Tensor, values: Tensor) -> None:
     if keys.dim() != 4 or values.dim() != 4:
-        raise ValueError(f"keys and values must be 4-D (B, H_kv, T, d), got {tuple(keys.shape)} and {tuple(values.shape)}")
+        raise ValueError(
+            f"keys and values must be 4-D (B, H_kv, T, d), got {tuple(keys.shape)} and {tuple(values.shape)}"
+        )
     if keys.shape[:3] != values.shape[:3]:
         raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in (B, H_kv, T)")
 
@@ -193,7 +195,9 @@ class KIVISettings:
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if self.residual < 1 or self.residual % self.group_size:
-            raise ValueError(f"residual must be a positive multiple of group_size={self.group_size}, got {self.residual}")
+            raise ValueError(
+                f"residual must be a positive multiple of group_size={self.group_size}, got {self.residual}"
+            )
 
 
 class KIVILayer:
@@ -219,7 +223,9 @@ class KIVILayer:
             self._values = (values[:, :, :0], values[:, :, :0])
         for old, new in ((self._keys[1], keys), (self._values[1], values)):
             if old.shape[:2] != new.shape[:2] or old.shape[3] != new.shape[3] or old.dtype != new.dtype:
-                raise ValueError(f"update {tuple(new.shape)} {new.dtype} does not fit cache {tuple(old.shape)} {old.dtype}")
+                raise ValueError(
+                    f"update {tuple(new.shape)} {new.dtype} does not fit cache {tuple(old.shape)} {old.dtype}"
+                )
         R, G, bits = self.settings.residual, self.settings.group_size, self.settings.bits
         key_quant, key_full = self._keys[0], torch.cat([self._keys[1], keys], dim=2)
         value_quant, value_full = self._values[0], torch.cat([self._values[1], values], dim=2)

@@ -156,7 +156,11 @@ class DimAttnCache(DynamicCache):
             if isinstance(t, torch.Tensor)
         )
         latent = sum(layer.nbytes() for layer in self.latent_layers.values())
-        return full + latent + (self.positions.numel() * self.positions.element_size() if self.positions is not None else 0)
+        return (
+            full
+            + latent
+            + (self.positions.numel() * self.positions.element_size() if self.positions is not None else 0)
+        )
 
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
@@ -348,7 +352,7 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"attention implementation {implementation!r} supports only vanilla layers"
                              + (" (and DAR / uniform ones if it accepts far keys)" if self.variant.far else ""))
         out, _ = attention_fn(self, q, *near_kv, None, scaling=self.scaling, dropout=0.0, far_key=far_kv[0],
-                              far_value=far_kv[1], window=self.window, attend=attend)  # fmt: skip
+                              far_value=far_kv[1], window=self.window, attend=attend)
         return out
 
     def _attend_from_latents(self, q, k, v, h, cache, rope_all, key_padding_mask):

@@ -55,7 +55,7 @@ def _apply(projection: Affine, x: torch.Tensor) -> torch.Tensor:
 
 
 def projected_attention(module, query, key, value, attention_mask, scaling=None, *, far_key=None, far_value=None,
-                        window=None, attend=None, **kwargs):  # fmt: skip
+                        window=None, attend=None, **kwargs):
     """transformers' SDPA on every layer; on a projected one (``module.dimattn_projection`` set),
     on F(q) and F(k) at the projection's scale. Keys a ProjectedCache returns are F(k) already.
     A DAR or uniform layer of our models hands over its far keys and its own kernels
@@ -102,7 +102,7 @@ class ProjectedLayer(DynamicLayer):
     after the prefill) when the model asks for it (dimattn.model.kv_compression)."""
 
     def __init__(self, projection: Affine | None = None, kivi: KIVISettings | None = None,
-                 snapkv: SnapKVSettings | None = None):  # fmt: skip
+                 snapkv: SnapKVSettings | None = None):
         super().__init__()
         if kivi is not None and snapkv is not None:
             raise ValueError("KIVI and SnapKV are alternatives (seed 003, Table 5), not a combination")
@@ -203,7 +203,7 @@ def attention_modules(model) -> dict[int, torch.nn.Module]:
 
 
 def attach_projections(model, projections: dict, num_projected: int, scale: str = "d_prime", kv: dict | None = None,
-                       source="projections"):  # fmt: skip
+                       source="projections"):
     """Project the last ``num_projected`` attention layers of ``model`` (in place; returned).
 
     ``projections``: {layer: Affine or W} for (at least) those layers, fitted on this model's
@@ -216,7 +216,7 @@ def attach_projections(model, projections: dict, num_projected: int, scale: str 
     kv = check_kv(kv)
     if kv and _keeps_own_cache(model):
         raise ValueError(f"kv={kv!r}: KV compression needs a plain KV cache; {type(model).__name__} with DAR or "
-                         "uniform layers keeps its own (DimAttnCache)")  # fmt: skip
+                         "uniform layers keeps its own (DimAttnCache)")
     modules = attention_modules(model)
     layers = projected_layers(len(modules), num_projected)
     missing = [layer for layer in layers if layer not in projections]
@@ -260,7 +260,7 @@ class ProjectedForCausalLM(PreTrainedModel):
         if not Path(base).is_absolute() and (directory / base).exists():
             base = str(directory / base)
         model = AutoModelForCausalLM.from_pretrained(base, *args, trust_remote_code=config.base_trust_remote_code,
-                                                     **kwargs)  # fmt: skip
+                                                     **kwargs)
         projections = load_projections(directory / config.projections)[0] if config.num_projected else {}
         return attach_projections(model, projections, config.num_projected, config.scale, config.kv,
                                   source=directory / config.projections)

@@ -48,7 +48,9 @@ PATTERN_KEYS = frozenset({"full_attention_every", "attention_layers"})
 # Sweep keys whose list values expand as a cartesian product, in run-name order.
 SWEPT_KEYS = ("window", "d_down", "dilation")
 BOTTLENECK_ACTIVATIONS = ("linear", "sigmoid")
-DEFAULT_BOTTLENECK = "linear"  # seed 000's choice: the model's own default (DimAttnConfig), which travels without the schema
+DEFAULT_BOTTLENECK = (
+    "linear"  # seed 000's choice: the model's own default (DimAttnConfig), which travels without the schema
+)
 
 # The columns that identify a run in every summary; a field its variant does not take is empty.
 RUN_FIELDS = [
@@ -85,7 +87,9 @@ def check_model(model: dict) -> list[tuple[str, str]]:
     attention = model["attention"]
     if attention not in VARIANTS:
         return [("attention", f"{attention!r} is not a known variant; choose one of {VARIANT_ORDER}")]
-    errors = [(k, f"missing: attention={attention!r} needs {k}") for k in sorted(VARIANTS[attention].requires - set(model))]
+    errors = [
+        (k, f"missing: attention={attention!r} needs {k}") for k in sorted(VARIANTS[attention].requires - set(model))
+    ]
     errors += [(k, f"attention={attention!r} takes no {k}") for k in sorted(_variant_keys(model) - takes(attention))]
     return errors + check_values(model)
 
@@ -181,7 +185,9 @@ def run_fields(run: str, model: dict, seed: int = 0) -> dict:
         "attention_layers": str(layers) if layers not in (None, "") else None,
         "seed": seed,
     }
-    return {k: (v if k in ("run", "attention", "hidden_size", "seed") or k in keys else None) for k, v in fields.items()}
+    return {
+        k: (v if k in ("run", "attention", "hidden_size", "seed") or k in keys else None) for k, v in fields.items()
+    }
 
 
 def missing(value) -> bool:

@@ -335,7 +335,7 @@ def _restore(state: dict, model, optimizer, max_steps: int, ckpt_path: Path) -> 
         raise _damaged(ckpt_path, f"holds step {step!r}, not one of 1..{max_steps}")
     if not isinstance(rows, list) or len(rows) != step or any(len(r) != len(METRICS_COLUMNS) for r in rows):
         raise _damaged(ckpt_path, f"holds {len(rows) if isinstance(rows, list) else rows!r} metrics rows "
-                                  f"of {len(METRICS_COLUMNS)} fields for step {step}")  # fmt: skip
+                                  f"of {len(METRICS_COLUMNS)} fields for step {step}")
     try:
         model.load_state_dict(state["model"])
     except (RuntimeError, KeyError, TypeError, AttributeError) as e:
@@ -351,7 +351,7 @@ def _restore(state: dict, model, optimizer, max_steps: int, ckpt_path: Path) -> 
             if key not in moments or moments[key].shape != param.shape:
                 got = tuple(moments[key].shape) if key in moments else "nothing"
                 raise _damaged(ckpt_path, f"holds optimizer state {key} of shape {got} for a parameter of "
-                                          f"shape {tuple(param.shape)} (parameter {i})")  # fmt: skip
+                                          f"shape {tuple(param.shape)} (parameter {i})")
     return step, [list(r) for r in rows]
 
 
@@ -620,7 +620,9 @@ def launch_command(
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dimattn.pretraining.training", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m dimattn.pretraining.training", description=__doc__.split("\n\n")[0]
+    )
     spec_help = 'JSON {"model": {architecture and attention keys}, "training": {TrainConfig keys}}'
     parser.add_argument("--spec", type=Path, required=True, help=spec_help)
     parser.add_argument("--train", type=Path, required=True, help="train token file (.bin beside its .json meta)")

@@ -145,9 +145,9 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
         n_layers = sorted(ours["n_layers"].unique())
         # d' columns too many for one page's width continue in tabulars below (latex.split_columns).
         flat = [{"label": Tex(f"{row['objective']} {row['source']}"), "cells": row["cells"]} for rows in groups
-                for row in rows]  # fmt: skip
+                for row in rows]
         parts = latex.split_columns([{"title": c["ratio"], "columns": ["KL", "MSE"]} for c in columns], flat,
-                                    "Objective Source")  # fmt: skip
+                                    "Objective Source")
         for i, part in enumerate(parts):
             keep = [j for _, indices in part for j in indices]
             blocks.append(
@@ -247,7 +247,7 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
                 draw(ax, ours, "topk_recall", ours_styles, "ours", int(head_dim))
                 k = ", ".join(str(int(v)) for v in sorted(frames["dimpo_fidelity"]["top_k"].dropna().unique()))
                 ax.set_title(f"Top-k keys kept (k = {k}, 1/64 of the keys; higher is better)\nours: {model}, "
-                             f"d={int(head_dim)}")  # fmt: skip
+                             f"d={int(head_dim)}")
                 ax.set_ylabel(f"share of the top-k keys, mean over layers\n{better('topk_recall')}")
         if topk:
             axes[-1][2].set_visible(False)  # the paper reports no top-k share
@@ -297,7 +297,7 @@ def quirks_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pat
                       + rf", $d'{{=}}{int(d)}$"),
          "columns": [Tex("KL"), Tex("MSE"), Tex(r"KL$_\text{inf}$")]}
         for model, o, d in keys
-    ]  # fmt: skip
+    ]
     rows = []
     for (order, setting), mine in means.groupby(["setting_order", "setting"], sort=True):
         by_key = {(m.model, m.objective, m.d_prime): m for _, m in mine.iterrows()}
@@ -316,7 +316,7 @@ def quirks_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pat
         r"KL$_\text{inf}$ at the inference scale, what the model sees once the projection replaces its attention."
     )
     return latex.grouped_table(path, "dimpo.quirks_table", groups, rows, Tex(caption), "dimpo_quirks", "Settings",
-                               cell.note())  # fmt: skip
+                               cell.note())
 
 
 def _table6_long_context(downstream: pd.DataFrame | None, d_primes) -> tuple[pd.DataFrame, list]:
@@ -332,7 +332,7 @@ def _table6_long_context(downstream: pd.DataFrame | None, d_primes) -> tuple[pd.
     ablation = scores[scores["study"] == "table6"]
     shown = list(dict.fromkeys(zip(ablation["model"], ablation["probe"], ablation["num_projected"])))
     main = scores[(scores["study"] == MAIN_STUDY) & scores["objective"].isin(["kl", "dimpo_kl"])
-                  & scores["d_prime"].isin(d_primes)]  # fmt: skip
+                  & scores["d_prime"].isin(d_primes)]
     main = main[[(m, p, l) in shown for m, p, l in zip(main["model"], main["probe"], main["num_projected"])]]
     return probe_points(pd.concat([ablation, main], ignore_index=True)), shown
 
@@ -354,15 +354,26 @@ def ablation_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: P
     ref = paper.dimpo_table6(reference_dir)
     cell = SpreadCells(seed_counts(means, long if len(long) else None))
     models = list(dict.fromkeys(zip(means["model"], means["head_dim"])))
-    groups = [
-        {"title": Tex(latex.escape(f"ours: {m}, d = {int(h)}, KL")), "columns": [Tex(rf"$d'{{=}}{int(d)}$") for d in d_primes]}
-        for m, h in models
-    ] + [
-        {"title": Tex(latex.escape(f"ours: {m}, {probe} avg (%), ") + rf"$l{{=}}{int(l)}$"),
-         "columns": [Tex(rf"$d'{{=}}{int(d)}$") for d in d_primes]}
-        for m, probe, l in shown
-    ] + [{"title": Tex(r"paper, $d'{=}64$ of $d{=}128$: KL"), "columns": [Tex("Llama-3.1-8B"), Tex("Qwen3-4B")]},
-         {"title": Tex(r"paper: RULER 4k (\%)"), "columns": [Tex("Llama-3.1-8B"), Tex("Qwen3-4B")]}]  # fmt: skip
+    groups = (
+        [
+            {
+                "title": Tex(latex.escape(f"ours: {m}, d = {int(h)}, KL")),
+                "columns": [Tex(rf"$d'{{=}}{int(d)}$") for d in d_primes],
+            }
+            for m, h in models
+        ]
+        + [
+            {
+                "title": Tex(latex.escape(f"ours: {m}, {probe} avg (%), ") + rf"$l{{=}}{int(l)}$"),
+                "columns": [Tex(rf"$d'{{=}}{int(d)}$") for d in d_primes],
+            }
+            for m, probe, l in shown
+        ]
+        + [
+            {"title": Tex(r"paper, $d'{=}64$ of $d{=}128$: KL"), "columns": [Tex("Llama-3.1-8B"), Tex("Qwen3-4B")]},
+            {"title": Tex(r"paper: RULER 4k (\%)"), "columns": [Tex("Llama-3.1-8B"), Tex("Qwen3-4B")]},
+        ]
+    )
     rows = []
     for (objective, setting), mine in means.groupby(["objective", "setting"], sort=False):
         cells = []
@@ -372,7 +383,7 @@ def ablation_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: P
             cells += [cell(spread(by_d[d], "kl"), fmt_sig) if d in by_d else MISSING for d in d_primes]
         for model, probe, l in shown:
             sel = long[(long["model"] == model) & (long["probe"] == probe) & (long["num_projected"] == l)
-                       & (long["objective"] == objective) & (long["setting"] == setting)]  # fmt: skip
+                       & (long["objective"] == objective) & (long["setting"] == setting)]
             by_d = {r["d_prime"]: spread(r, "value") for _, r in sel.iterrows()}
             cells += [cell(by_d[d], lambda v: f"{v:.1f}") if d in by_d else MISSING for d in d_primes]
         key = _parse_setting(setting)  # a k_share as its k of the paper's 4,096 keys
@@ -393,7 +404,7 @@ def ablation_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: P
         "with its k of 4,096 and keeps that share of ours."
     )
     return latex.grouped_table(path, "dimpo.ablation_table", groups, rows, Tex(caption), "dimpo_ablation",
-                               "Objective", cell.note())  # fmt: skip
+                               "Objective", cell.note())
 
 
 # Appendix B Figure 4: the study, its panel title, and the setting field on its x axis.
@@ -426,13 +437,13 @@ def pairs_figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pat
             agg = aggregate(per_seed, ["kl", "mse"], ["objective", "x"])
             counts += seed_counts(agg)
             for row, (metric, name) in enumerate((("kl", "KL divergence of attention weights"),
-                                                  ("mse", "MSE of attention outputs"))):  # fmt: skip
+                                                  ("mse", "MSE of attention outputs"))):
                 ax = axes[row][col]
                 for objective in sorted(agg["objective"].unique(), key=objective_rank):
                     sel = agg[agg["objective"] == objective].sort_values("x")
                     line = plots.line(ax, sel["x"].astype(float), [spread(r, metric) for _, r in sel.iterrows()],
                                       color=OBJECTIVE_COLORS.get(objective, "0.3"), marker="o", lw=2,
-                                      label=_label(objective, tex=False))  # fmt: skip
+                                      label=_label(objective, tex=False))
                     handles.setdefault(_label(objective, tex=False), line)
                 ax.set_xscale("log", base=2)
                 ax.set_xticks(sorted(agg["x"].unique()), [str(int(x)) for x in sorted(agg["x"].unique())])
@@ -442,7 +453,9 @@ def pairs_figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pat
                 ax.set_ylabel(f"{metric.upper()}, mean over layers and d'{log}\n{better(metric)}")
                 ax.set_title(f"{title}\n{name}", fontsize=10)
         fig.legend(handles=list(handles.values()), labels=list(handles), loc="outside right center", frameon=False)
-        d_primes = ", ".join(str(int(d)) for d in sorted(fid[fid["study"].isin([p[0] for p in panels])]["d_prime"].unique()))
+        d_primes = ", ".join(
+            str(int(d)) for d in sorted(fid[fid["study"].isin([p[0] for p in panels])]["d_prime"].unique())
+        )
         fig.suptitle(
             "Pairwise objectives and the listwise term with more comparisons (seed 003 Appendix B, Figure 4), "
             f"ours: d' in {{{d_primes}}}" + plots.spread_note(counts),

@@ -106,7 +106,7 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
                 label = _label(objective, d_prime, kv, many_d)
                 handle = plots.line(ax, points["share"] * 100, [spread(r, "rel") for _, r in points.iterrows()],
                                     marker="o", lw=2, color=OBJECTIVE_COLORS.get(objective, "0.3"),
-                                    ls="-" if kv == NO_KV else "--")  # fmt: skip
+                                    ls="-" if kv == NO_KV else "--")
                 handles.setdefault(label, handle)
             ax.axhline(100, color="0.6", lw=1, ls=":")
             base_value = base[base["kv"] == NO_KV]["value"]
@@ -129,7 +129,7 @@ def figure(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> 
         fig.legend(handles=list(handles.values()), labels=list(handles), loc="outside right center", frameon=False)
         fig.suptitle("Projected models at work: score relative to the base model vs. share of layers projected "
                      "(seed 003, Figures 2-3)\nours: Table 1's projections on the last l layers; dashed: with KV "
-                     "compression" + plots.spread_note(seed_counts(df)), fontsize=11)  # fmt: skip
+                     "compression" + plots.spread_note(seed_counts(df)), fontsize=11)
     return Path(path)
 
 
@@ -154,7 +154,7 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
                            "columns": [Tex(rf"$l{{=}}{int(l)}$ ({100 * l / n_layers:.0f}\%)") for l in shares]})
             selections.append(sel[sel["objective"] != BASE_OBJECTIVE])
     keys = sorted({k for sel in selections for k in zip(sel["objective"], sel["d_prime"], sel["kv"])},
-                  key=lambda k: (objective_rank(k[0]), k[1], k[2] != NO_KV, k[2]))  # fmt: skip
+                  key=lambda k: (objective_rank(k[0]), k[1], k[2] != NO_KV, k[2]))
     body = []
     for objective, d_prime, kv in keys:
         cells = []
@@ -163,7 +163,7 @@ def table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -> P
             by_l = {r["num_projected"]: spread(r, "rel") for _, r in line.iterrows()}
             cells += [cell(by_l[l], lambda v: fmt(v, 1)) if l in by_l else MISSING for l in shares]
         body.append({"label": Tex(latex.escape(_label(objective, d_prime, kv, many_d))), "cells": cells,
-                     "space": False})  # fmt: skip
+                     "space": False})
     caption = (
         "Projected models at work (seed 003, Section 4): the score of the model with Table 1's projection on its "
         "last $l$ attention layers, in percent of the base model's (with the same KV compression; projected / base "
@@ -183,7 +183,7 @@ RULER_GROUPS = {
     "NIAH": [t for t in RULER_TASKS if t.startswith("niah_")],
     "SQuAD": ["ruler_qa_squad"], "HotpotQA": ["ruler_qa_hotpot"],
     "VT": ["ruler_vt"], "CWE": ["ruler_cwe"], "FWE": ["ruler_fwe"],
-}  # fmt: skip
+}
 AVERAGE = "avg"
 SCORE_KEYS = ["study", "model", "objective", "setting", "d_prime", "kv", "num_projected", "n_layers", "share", "seed"]
 
@@ -204,7 +204,7 @@ def long_context(df: pd.DataFrame) -> pd.DataFrame:
                 rows.append(fields | {"column": column, "order": order, "value": present.mean()})
         complete = by_task.reindex(RULER_TASKS).notna().all()
         rows.append(fields | {"column": AVERAGE, "order": len(RULER_GROUPS),
-                              "value": by_task.reindex(RULER_TASKS).mean() if complete else None})  # fmt: skip
+                              "value": by_task.reindex(RULER_TASKS).mean() if complete else None})
     recall = df[df["task"].str.startswith(RECALL_TASK)]
     for _, r in recall.iterrows():
         metric = r["metric"]
@@ -213,7 +213,7 @@ def long_context(df: pd.DataFrame) -> pd.DataFrame:
         column, order = (AVERAGE, 10**6) if metric == "acc" else (rf"{lo}--{hi}", int(lo))
         value = None if pd.isna(r["value"]) else 100 * r["value"]
         rows.append({k: r[k] for k in SCORE_KEYS} | {"probe": "recall", "column": column, "order": order,
-                                                     "value": value})  # fmt: skip
+                                                     "value": value})
     suite = df[df["task"].str.startswith(SUITE_TASK)]
     for (*point, task), part in suite.groupby([*SCORE_KEYS, "task"], sort=False, dropna=False):
         fields = dict(zip(SCORE_KEYS, point)) | {"probe": "suite " + task[len(SUITE_TASK):]}
@@ -222,7 +222,7 @@ def long_context(df: pd.DataFrame) -> pd.DataFrame:
             rows.append(fields | {"column": column, "order": order, "value": np.mean([by_task[t] for t in tasks])})
         average = part.loc[part["metric"] == "score", "value"]
         rows.append(fields | {"column": AVERAGE, "order": len(RULER_GROUPS),
-                              "value": 100 * average.iloc[0] if len(average) else None})  # fmt: skip
+                              "value": 100 * average.iloc[0] if len(average) else None})
     out = pd.DataFrame(rows, columns=[*SCORE_KEYS, "probe", "column", "order", "value"]).astype({"value": float})
     models = {m: i for i, m in enumerate(dict.fromkeys(df["model"]))}  # the summary's order
     return out.sort_values("model", key=lambda s: s.map(models), kind="stable").reset_index(drop=True)
@@ -242,7 +242,7 @@ def _suite_groups(subtasks) -> dict[str, list[str]]:
 def probe_points(scores: pd.DataFrame) -> pd.DataFrame:
     """:func:`long_context` aggregated over fit seeds (``value_spread``)."""
     return aggregate(scores, ["value"], ["study", "model", "probe", "objective", "setting", "d_prime", "kv",
-                                         "num_projected", "n_layers", "column", "order"])  # fmt: skip
+                                         "num_projected", "n_layers", "column", "order"])
 
 
 def separating_l(points: pd.DataFrame) -> int | None:
@@ -259,7 +259,7 @@ def separating_l(points: pd.DataFrame) -> int | None:
 # The paper's Tables 2-3 rows as our objectives: DimPO's default is k = 64, lambda = 1; its
 # k = 0, lambda = 0 row is the listwise term alone (our dimpo_list).
 _PAPER_METHODS = {("base", "", ""): BASE_OBJECTIVE, ("kl", "", ""): "kl", ("dimpo", "64", "1"): "dimpo",
-                  ("dimpo", "0", "0"): "dimpo_list"}  # fmt: skip
+                  ("dimpo", "0", "0"): "dimpo_list"}
 
 
 def objective_label(objective: str) -> str:
@@ -299,11 +299,11 @@ def subtask_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pa
             table |= {(objective, c): Spread.of([float(r[c])]) for c in paper_columns if r[c] != ""}
         lookups.append((table, paper_columns))
     objectives = sorted({o for table, _ in lookups for o, _ in table},
-                        key=lambda o: (o != BASE_OBJECTIVE, objective_rank(o)))  # fmt: skip
+                        key=lambda o: (o != BASE_OBJECTIVE, objective_rank(o)))
     body = [{"label": objective_label(o), "space": False,
              "cells": [cell(table[(o, c)], lambda v: fmt(v, 1)) if (o, c) in table else MISSING
                        for table, columns in lookups for c in columns]}
-            for o in objectives]  # fmt: skip
+            for o in objectives]
     caption = (
         "Long context with projected layers (seed 003, Tables 2-3): scores in percent per subtask at one deep "
         "$l$ per model, where the objectives lie furthest apart, and the base model ($l = 0$). Ours at CPU scale is "
@@ -328,7 +328,7 @@ def kv_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -
     ref = paper.read(reference_dir, "dimpo_compression")
     paper_kinds = {c: ("kivi", int(c.split("-")[1][0])) if c.startswith("kivi") else
                       ("snapkv", int(c.split("-")[1])) if c.startswith("snapkv") else (NO_KV, 0)
-                   for c in ref["compression"].unique()}  # fmt: skip
+                   for c in ref["compression"].unique()}
     slots = []  # columns: (kind, rank within the kind)
     for kind in (NO_KV, "kivi", "snapkv"):
         ours = sorted(v for n, (k, v) in kinds.items() if k == kind)
@@ -344,7 +344,7 @@ def kv_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -
     cell = SpreadCells(seed_counts(points))
     body = []
     for (model, probe, objective, d_prime), part in points.groupby(["model", "probe", "objective", "d_prime"],
-                                                                    sort=False):  # fmt: skip
+                                                                    sort=False):
         if objective == BASE_OBJECTIVE or (part["kv"] == NO_KV).all():
             continue  # Table 5's rows: the objectives combined with a compression
         base = points[(points["model"] == model) & (points["probe"] == probe) & (points["objective"] == BASE_OBJECTIVE)]
@@ -353,14 +353,14 @@ def kv_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Path) -
             label = f"ours: {model}, {probe}, {objective_label(objective)}, l = {int(l)}"
             body.append({"label": Tex(latex.escape(label)), "space": i == 0,
                          "cells": [cell(by_kind[(k, v)], lambda x: fmt(x, 1)) if (k, v) in by_kind else MISSING
-                                   for (k, v, _), _ in slots]})  # fmt: skip
+                                   for (k, v, _), _ in slots]})
     for length in ("ruler_4k", "ruler_8k"):
         for i, (l, line) in enumerate(ref.groupby(["model", "num_projected"], sort=False)):
             by_kind = {paper_kinds[r["compression"]]: float(r[length]) for _, r in line.iterrows()}
             label = f"paper: {l[0]}, RULER {length[-2:]}, DimPO, l = {l[1]}"
             body.append({"label": Tex(latex.escape(label)), "space": i == 0,
                          "cells": [fmt(by_kind[(k, w)], 1) if (k, w) in by_kind else MISSING
-                                   for (k, _, w), _ in slots]})  # fmt: skip
+                                   for (k, _, w), _ in slots]})
     caption = (
         "Projection with KV-cache compression (seed 003, Table 5): the long-context average in percent (ours: the "
         "recall probe and the suite at CPU scale, RULER at paper scale) per compression and number of projected layers $l$. "
@@ -382,10 +382,10 @@ def latency_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pa
     (base against base) is the measurement's noise floor."""
     df = frames["dimpo_latency"]
     groups = [{"title": "", "columns": ["prefill (ms)", "decode (ms/token)", "tokens/s", "KV cache (KiB)",
-                                        "peak (MiB)"]}]  # fmt: skip
+                                        "peak (MiB)"]}]
     body = []
     for (model, device, dtype, prompt, new), part in df.groupby(["model", "device", "dtype", "prompt", "new"],
-                                                                sort=False):  # fmt: skip
+                                                                sort=False):
         for i, (_, r) in enumerate(part.iterrows()):
             def both(value, ratio, digits=1):
                 return f"{value:.{digits}f} ({ratio:.2f})"
@@ -395,7 +395,7 @@ def latency_table(frames: dict[str, pd.DataFrame], reference_dir: Path, path: Pa
                 both(1e3 * r["prefill_s"], r["prefill_ratio"]), both(1e3 * r["decode_s"], r["decode_ratio"], 2),
                 both(r["tokens_per_s"], 1 / r["decode_ratio"] if r["decode_ratio"] else float("nan")),
                 both(r["cache_bytes"] / 1024, r["cache_ratio"]), both(r["peak_bytes"] / 2**20, r["peak_ratio"]),
-            ]})  # fmt: skip
+            ]})
     kinds = set(df["peak_kind"])
     caption = (
         "Inference latency (seed 003, Appendix H): the base model, SnapKV (a quarter of the prompt kept), and "

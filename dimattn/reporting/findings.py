@@ -121,7 +121,7 @@ def compare(df: pd.DataFrame, claim: dict) -> dict:
             continue
         diffs = sign * (paired["a"] - paired["b"])
         cells.append({"cell": dict(zip(match, cell if isinstance(cell, tuple) else (cell,))),
-                      "a": paired["a"], "b": paired["b"], "diffs": diffs})  # fmt: skip
+                      "a": paired["a"], "b": paired["b"], "diffs": diffs})
     return {"cells": cells, "verdict": verdict(cells, claim.get("kind", "better"))}
 
 
@@ -156,7 +156,7 @@ def _paper(claim: dict, reference_dir: Path) -> str:
     if pairs.empty:
         raise ClaimError(f"{source}: no pair of rows for A and B")
     shown = [f"{', '.join(f'{m} {r[m]}' for m in match)}: {r[spec['value'] + '_a']} against {r[spec['value'] + '_b']}"
-             for _, r in pairs.iterrows()]  # fmt: skip
+             for _, r in pairs.iterrows()]
     return "; ".join(shown)
 
 
@@ -176,7 +176,7 @@ def render(published_root: os.PathLike | str, reference_dir: os.PathLike | str, 
            "Written by the workflow (`make findings`: `dimattn.reporting.findings`) from the summaries in",
            "`published/<tier>/` and the claims in `reference/claims.yaml`; do not edit. A value is the mean",
            "over seeds with its [min, max]; a difference is paired by seed (training seed for runs, fit seed",
-           "for DimPO). How a verdict is computed: `dimattn/reporting/findings.py`.", ""]  # fmt: skip
+           "for DimPO). How a verdict is computed: `dimattn/reporting/findings.py`.", ""]
     for tier in tiers:
         m = manifests.get(tier)
         out.append(f"- {tier}: " + (f"published at `{m['commit'][:10]}`, {m['date'][:10]}, {m['jobs']} jobs on "
@@ -189,7 +189,7 @@ def render(published_root: os.PathLike | str, reference_dir: os.PathLike | str, 
             out += [f"### {claim['where']}: {claim['claim']}", "",
                     f"A: {_describe(claim['a'])}; B: {_describe(claim['b'])}; `{claim['summary']}.csv`, "
                     f"{claim['value']} ({claim.get('better', 'either')} is better"
-                    + (f"; only {_describe(claim['only'])}" if claim.get("only") else "") + ").", ""]  # fmt: skip
+                    + (f"; only {_describe(claim['only'])}" if claim.get("only") else "") + ").", ""]
             paper = _paper(claim, reference_dir)
             if paper:
                 out += [f"The paper: {paper}.", ""]

@@ -91,20 +91,20 @@ def figure(df: pd.DataFrame, path: Path) -> Path:
                 marker = "o" if row["source"] == "run" else "^"
                 plots.line(ax, [row["cache_bytes_per_token"]], [spread(row, "rel_to_base")], color=_color(row),
                            marker=marker, linestyle="none", markersize=7 if row["pareto"] else 5,
-                           markeredgecolor="black" if row["pareto"] else "none", alpha=0.9)  # fmt: skip
+                           markeredgecolor="black" if row["pareto"] else "none", alpha=0.9)
             front = part[part["pareto"]]
             ax.step(front["cache_bytes_per_token"], front["rel_to_base"], where="post", color="black", lw=1,
-                    alpha=0.6, label="Pareto front")  # fmt: skip
+                    alpha=0.6, label="Pareto front")
             # Front points nearly equal in bytes would write their names over one another: each
             # gets a number at the point, and the panel a key of numbered names.
             names = []
             for n, (_, row) in enumerate(front.iterrows(), 1):
                 ax.annotate(str(n), (row["cache_bytes_per_token"], row["rel_to_base"]), fontsize="x-small",
-                            xytext=(3, 4 if higher else -10), textcoords="offset points", weight="bold")  # fmt: skip
+                            xytext=(3, 4 if higher else -10), textcoords="offset points", weight="bold")
                 names.append(f"{n} {label(row)}")
             # the key as a legend of empty handles: loc="best" keeps it off the points
             ax.legend([Line2D([], [], linestyle="none")] * len(names), names, loc="best", fontsize="x-small",
-                      handlelength=0, handletextpad=0, framealpha=0.8)  # fmt: skip
+                      handlelength=0, handletextpad=0, framealpha=0.8)
             ax.axhline(100, color="0.6", lw=0.8, ls="--")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("KV-cache bytes per token (measured, model dtype)")
@@ -114,7 +114,7 @@ def figure(df: pd.DataFrame, path: Path) -> Path:
         families = dict.fromkeys((r["family"], r["source"], _color(r)) for _, r in pts.iterrows())
         handles = [axes.flat[0].plot([], [], color=c, marker="o" if s == "run" else "^", linestyle="none",
                                      label=f"{f} ({'run' if s == 'run' else 'projected'})")[0]
-                   for f, s, c in families]  # fmt: skip
+                   for f, s, c in families]
         fig.legend(handles=handles, loc="outside lower center", ncols=min(4, len(handles)), fontsize="small")
         note = plots.spread_note(seed_counts(pts))
         fig.suptitle("How many bytes a token's keys and values need: quality against the measured KV cache" + note)

@@ -161,11 +161,11 @@ def grouped_table(path: Path, generator: str, groups: list[dict], rows: list[dic
             "rules": cmidrules([len(indices) for _, indices in part], 2),
             "n_columns": len(columns),
             "continued": bool(parts),
-        })  # fmt: skip
+        })
     height = len(rows) + 4 + sum(row["space"] for row in rows) / 2
     floats = page_floats(parts, [height] * len(parts), str(caption) + str(spread_note))
     return render("dimpo_study.tex.j2", path, floats=floats, function=generator, caption=caption, label=label,
-                  row_header=row_header, spread_note=spread_note, continued=CONTINUED)  # fmt: skip
+                  row_header=row_header, spread_note=spread_note, continued=CONTINUED)
 
 
 def page_floats(parts: list, heights: list[float], caption: str) -> list[list]:

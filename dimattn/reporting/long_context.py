@@ -54,7 +54,7 @@ def figure(needle: pd.DataFrame, path: Path, panel: str = "run", title: str = ""
                     ax.set_visible(False)
                     continue
                 sns.heatmap(needle_grid(rows), ax=ax, vmin=0, vmax=100, cmap="viridis", annot=True, fmt=".0f",
-                            cbar=c == len(names) - 1, cbar_kws={"label": "score (%), higher is better"})  # fmt: skip
+                            cbar=c == len(names) - 1, cbar_kws={"label": "score (%), higher is better"})
                 ax.set_title(f"{name}: {task}\n(>= {int(rows['n'].min())} examples a cell)", fontsize="small")
                 ax.set_xlabel("context length (tokens)")
                 ax.set_ylabel("needle depth (share of the context)")

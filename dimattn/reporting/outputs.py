@@ -147,7 +147,9 @@ OUTPUTS: dict[str, Output] = {
         _output("DAR", paths.table("dar_window"), "dar:window_table", _window_sweep, _EITHER, optional=_EITHER),
         _output("DAR", paths.figure("dar_window"), "dar:window_figure", _window_sweep, _EITHER, optional=_EITHER),
         _output("DAR", paths.table("dar_downstream"), "dar:downstream_table", _downstream, ["lm_eval"]),
-        _output("DAR", paths.figure("dar_trajectory"), "dar_trajectory:trajectory_figure", _trajectory, ["dar_trajectory"]),
+        _output(
+            "DAR", paths.figure("dar_trajectory"), "dar_trajectory:trajectory_figure", _trajectory, ["dar_trajectory"]
+        ),
         # Seed 001 (sliding-window attention)
         _output("Baselines", paths.table("baselines"), "baselines:table", _baselines, _EITHER, optional=_EITHER),
         # Ours, with no paper numbers: the recall probe and lm-eval
@@ -157,30 +159,76 @@ OUTPUTS: dict[str, Output] = {
         # Seed 003 (DimPO): Table 1, Table 6's KL column, Appendix B Figure 4, and the authors' quirks
         _output("DimPO", paths.table("dimpo_fidelity"), "dimpo:table", _study("table1"), ["dimpo_fidelity"]),
         _output("DimPO", paths.figure("dimpo_fidelity"), "dimpo:figure", _study("table1"), ["dimpo_fidelity"]),
-        _output("DimPO", paths.table("dimpo_ablation"), "dimpo:ablation_table", _study("table6"),
-                ["dimpo_fidelity", "dimpo_downstream"], optional=["dimpo_downstream"]),
-        _output("DimPO", paths.figure("dimpo_pairs"), "dimpo:pairs_figure", _study("figure4a", "figure4b", "figure4c"),
-                ["dimpo_fidelity"]),
+        _output(
+            "DimPO",
+            paths.table("dimpo_ablation"),
+            "dimpo:ablation_table",
+            _study("table6"),
+            ["dimpo_fidelity", "dimpo_downstream"],
+            optional=["dimpo_downstream"],
+        ),
+        _output(
+            "DimPO",
+            paths.figure("dimpo_pairs"),
+            "dimpo:pairs_figure",
+            _study("figure4a", "figure4b", "figure4c"),
+            ["dimpo_fidelity"],
+        ),
         _output("DimPO", paths.table("dimpo_quirks"), "dimpo:quirks_table", _study("quirks"), ["dimpo_fidelity"]),
         # Seed 003 Figures 2-3 and Tables 2-5: projected models at work
-        _output("DimPO", paths.figure("dimpo_downstream"), "dimpo_downstream:figure", _study("downstream"),
-                ["dimpo_downstream"]),
-        _output("DimPO", paths.table("dimpo_downstream"), "dimpo_downstream:table", _study("downstream"),
-                ["dimpo_downstream"]),
-        _output("DimPO", paths.table("dimpo_ruler"), "dimpo_downstream:subtask_table", _study("long_context"),
-                ["dimpo_downstream"]),
+        _output(
+            "DimPO",
+            paths.figure("dimpo_downstream"),
+            "dimpo_downstream:figure",
+            _study("downstream"),
+            ["dimpo_downstream"],
+        ),
+        _output(
+            "DimPO",
+            paths.table("dimpo_downstream"),
+            "dimpo_downstream:table",
+            _study("downstream"),
+            ["dimpo_downstream"],
+        ),
+        _output(
+            "DimPO",
+            paths.table("dimpo_ruler"),
+            "dimpo_downstream:subtask_table",
+            _study("long_context"),
+            ["dimpo_downstream"],
+        ),
         _output("DimPO", paths.table("dimpo_kv"), "dimpo_downstream:kv_table", _study("kv"), ["dimpo_downstream"]),
-        _output("DimPO", paths.table("dimpo_latency"), "dimpo_downstream:latency_table", _study("latency"),
-                ["dimpo_latency"]),
+        _output(
+            "DimPO",
+            paths.table("dimpo_latency"),
+            "dimpo_downstream:latency_table",
+            _study("latency"),
+            ["dimpo_latency"],
+        ),
         # Seed 003's RULER in our mould (dimattn.data.longctx): the needle heat map
-        _output("Long-context", paths.figure("longctx_needle"), "long_context:needle_figure",
-                lambda asked: asked.longctx, ["longctx_needle"]),
+        _output(
+            "Long-context",
+            paths.figure("longctx_needle"),
+            "long_context:needle_figure",
+            lambda asked: asked.longctx,
+            ["longctx_needle"],
+        ),
         # ... and of the projected models on it, at the depth where the objectives separate
-        _output("DimPO", paths.figure("dimpo_needle"), "long_context:dimpo_needle_figure", _study("suite"),
-                ["dimpo_needle", "dimpo_downstream"]),
+        _output(
+            "DimPO",
+            paths.figure("dimpo_needle"),
+            "long_context:dimpo_needle_figure",
+            _study("suite"),
+            ["dimpo_needle", "dimpo_downstream"],
+        ),
         # All three seeds in one picture: quality against the measured KV-cache bytes per token
-        _output("Frontier", paths.figure("kv_frontier"), "frontier:frontier_figure", SUMMARIES["kv_frontier"],
-                ["kv_frontier"]),
+        _output(
+            "Frontier",
+            paths.figure("kv_frontier"),
+            "frontier:frontier_figure",
+            SUMMARIES["kv_frontier"],
+            ["kv_frontier"],
+        ),
     )
 }
 
@@ -313,7 +361,9 @@ def runs_in(summary_dir: os.PathLike | str) -> Asked:
         scores = long_context(summaries.read(_summary_path(summary_dir, "dimpo_downstream"), "dimpo_downstream"))
         studies += ("downstream",) + (("long_context",) if len(scores) else ())
         studies += ("kv",) if (scores["kv"] != "none").any() else ()
-        if "dimpo_needle" in on_disk and len(summaries.read(_summary_path(summary_dir, "dimpo_needle"), "dimpo_needle")):
+        if "dimpo_needle" in on_disk and len(
+            summaries.read(_summary_path(summary_dir, "dimpo_needle"), "dimpo_needle")
+        ):
             studies += ("suite",)
     return Asked(runs, "lm_eval" in on_disk, studies, bool(on_disk & {"longctx", "longctx_needle"}))
 

@@ -181,7 +181,10 @@ TIERS = (
     ("default", "config.yaml", "make run"),
     ("cpu-full", "configs/cpu-full.yaml", "make full"),
 )
-README_BEGIN, README_END = "<!-- tiers: written by python -m dimattn.reporting.published readme -->", "<!-- tiers end -->"
+README_BEGIN, README_END = (
+    "<!-- tiers: written by python -m dimattn.reporting.published readme -->",
+    "<!-- tiers end -->",
+)
 
 
 def _minutes(seconds: float) -> str:
@@ -191,8 +194,10 @@ def _minutes(seconds: float) -> str:
 def tiers_table(root: os.PathLike | str | None = None) -> str:
     """The README's table of the CPU tiers, each figure read from its published manifest."""
     root = Path(root or Path(__file__).resolve().parents[2] / paths.PUBLISHED)
-    lines = ["| tier | config | command | published run: jobs, job-seconds, wall time | host (bf16 peak, one thread) | commit, date |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| tier | config | command | published run: jobs, job-seconds, wall time | host (bf16 peak, one thread) | commit, date |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for tier, config, command in TIERS:
         if not (root / tier / MANIFEST).is_file():
             lines.append(f"| {tier} | `{config}` | `{command}` | not published yet | | |")

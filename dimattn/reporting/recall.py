@@ -164,7 +164,7 @@ def _other_windows(overall: pd.DataFrame) -> list[dict]:
         return []
     shown = {run["run"] for _, run in _selected_for_distance(overall)}
     sweep = [r for r in selection.plain(runs) if r["attention"] == "dar" and r["d_down"] is not None
-             and int(r["d_down"]) == d_down and r["run"] not in shown]  # fmt: skip
+             and int(r["d_down"]) == d_down and r["run"] not in shown]
     return sorted(sweep, key=lambda r: int(r["window"]))
 
 
@@ -262,7 +262,7 @@ def _accuracy_by_distance(ax, block: dict, head: str) -> None:
         ys = [block["by_bin"].get((run["run"], int(b.bin))) or Spread(()) for b in bins.itertuples()]
         plots.line(ax, mids, ys, 100, color=VARIANT_COLORS["dar"], marker=VARIANT_MARKERS.get("dar", "o"), lw=1.6,
                    ms=5, ls=WINDOW_STYLES[i % len(WINDOW_STYLES)], alpha=0.75,
-                   label=f"DAR ({setting(run, tex=False)})")  # fmt: skip
+                   label=f"DAR ({setting(run, tex=False)})")
     if block["chance"] is not None:
         ax.axhline(100 * block["chance"], color=CHANCE_COLOR, ls=":", lw=1.6, label="chance")
     ax.xaxis.set_major_locator(FixedLocator(mids))

@@ -104,8 +104,12 @@ def aggregate(df: pd.DataFrame, values: Sequence[str], by: Sequence[str]) -> pd.
     grouped = ordered.groupby("_group", sort=True)
     out = ordered.drop_duplicates("_group").set_index("_group")
     for value in values:
-        spreads = pd.Series({g: Spread.of(part[value].tolist(), part["_seed"].tolist() if "seed" in df.columns else None)
-                             for g, part in grouped})
+        spreads = pd.Series(
+            {
+                g: Spread.of(part[value].tolist(), part["_seed"].tolist() if "seed" in df.columns else None)
+                for g, part in grouped
+            }
+        )
         out[value + SUFFIX] = spreads
         # One replicate keeps its value as it is (bit for bit); several give their mean.
         out[value] = [s.mean if s.n > 1 else out.at[g, value] for g, s in spreads.items()]

@@ -446,7 +446,7 @@ def _longctx_records(jsons: Iterable[os.PathLike | str]) -> list[tuple[dict, dic
     for path in jsons:
         record = _record(path, LONGCTX_KEYS, "long-context")
         fields = _run_fields(record, path) | {"corpus": record["corpus"], "split": record.get("split") or "",
-                                              "seq_len": record["seq_len"]}  # fmt: skip
+                                              "seq_len": record["seq_len"]}
         key = (fields["run"], fields["corpus"])
         if key in seen:
             raise ValueError(f"run {key[0]!r} on corpus {key[1]!r} appears twice: {seen[key]} and {path}")
@@ -465,9 +465,9 @@ def summarize_longctx(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike |
     for fields, record in _longctx_records(jsons):
         subtasks = record["subtasks"]
         rows += [fields | {"subtask": name, "score": v["score"], "exact": v["exact"], "n": v["n"]}
-                 for name, v in subtasks.items()]  # fmt: skip
+                 for name, v in subtasks.items()]
         rows.append(fields | {"subtask": "average", "score": record["average"], "exact": None,
-                              "n": sum(v["n"] for v in subtasks.values())})  # fmt: skip
+                              "n": sum(v["n"] for v in subtasks.values())})
     df = _sort_runs(_as_int(pd.DataFrame(rows)), ["corpus", "split"])[COLUMNS["longctx"]]
     _write_csv(df, out_csv)
     return df
@@ -486,16 +486,16 @@ def summarize_longctx_needle(jsons: Iterable[os.PathLike | str], out_csv: os.Pat
     for fields, record in _longctx_records(jsons):
         if "needle" not in record:
             raise ValueError(f"run {fields['run']!r} on {fields['corpus']!r}: no needle-depth scores (scored "
-                             "without niah_single, or by an older dimattn.data.longctx)")  # fmt: skip
+                             "without niah_single, or by an older dimattn.data.longctx)")
         rows += [fields | row for row in needle_rows(record["needle"])]
     df = _sort_runs(_as_int(pd.DataFrame(rows, columns=COLUMNS["longctx_needle"])), ["corpus", "split"],
-                    tail=["subtask", "depth_lo"])[COLUMNS["longctx_needle"]]  # fmt: skip
+                    tail=["subtask", "depth_lo"])[COLUMNS["longctx_needle"]]
     _write_csv(df, out_csv)
     return df
 
 
 def summarize_fidelity(csvs: Iterable[os.PathLike | str], out_csv: os.PathLike | str,
-                       studies: dict[str, list] | None = None) -> pd.DataFrame:  # fmt: skip
+                       studies: dict[str, list] | None = None) -> pd.DataFrame:
     """Concatenate the per-fit fidelity CSVs, one copy of a fit's rows per study it belongs to.
 
     ``studies``: {csv path: [[study, setting_order], ...]} (rules/common.smk fidelity_studies);
@@ -536,12 +536,12 @@ def suite_metrics(suite: dict) -> dict[str, float]:
     result (dimattn.data.longctx.score_suite), as fractions (lm-eval's RULER scale, as the recall
     probe's accuracies)."""
     return {"score": suite["average"] / 100} | {f"score,{name}": v["score"] / 100
-                                                for name, v in suite["subtasks"].items()}  # fmt: skip
+                                                for name, v in suite["subtasks"].items()}
 
 
 def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLike | str,
                          studies: dict[str, list[str]] | None = None,
-                         needle_csv: os.PathLike | str | None = None) -> pd.DataFrame:  # fmt: skip
+                         needle_csv: os.PathLike | str | None = None) -> pd.DataFrame:
     """Projected models' scores (dimattn.evaluation.projected.score_projected), long: one row per (study,
     model, objective, setting, d', l, kv, task, metric); held-out perplexity as task
     "perplexity:<corpus>", metric "ppl"; the recall probe as task "recall:<corpus>", metrics of
@@ -558,17 +558,17 @@ def summarize_downstream(jsons: Iterable[os.PathLike | str], out_csv: os.PathLik
         fields = {k: record[k] for k in DOWNSTREAM_FIELDS if k != "share"}
         fields["share"] = record["num_projected"] / record["n_layers"]
         scores = [{"task": f"perplexity:{corpus}", "metric": "ppl", "value": ppl["ppl"], "stderr": None}
-                  for corpus, ppl in record["perplexity"].items()]  # fmt: skip
+                  for corpus, ppl in record["perplexity"].items()]
         for corpus, probe in record.get("recall", {}).items():
             scores += [{"task": f"recall:{corpus}", "metric": metric, "value": value, "stderr": None}
-                       for metric, value in recall_metrics(probe).items()]  # fmt: skip
+                       for metric, value in recall_metrics(probe).items()]
         for corpus, suite in record.get("longctx", {}).items():
             scores += [{"task": f"longctx:{corpus}", "metric": metric, "value": value, "stderr": None}
-                       for metric, value in suite_metrics(suite).items()]  # fmt: skip
+                       for metric, value in suite_metrics(suite).items()]
         scores += _lm_eval_rows(record["results"])
         needles = [{"corpus": corpus, "seq_len": suite["seq_len"]} | row
                    for corpus, suite in record.get("longctx", {}).items()
-                   for row in needle_rows(suite.get("needle", {}))]  # fmt: skip
+                   for row in needle_rows(suite.get("needle", {}))]
         for study in (studies or {}).get(str(path), [MAIN_STUDY]):
             rows += [{"study": study} | fields | score for score in scores]
             needle_table += [{"study": study} | fields | row for row in needles]
@@ -644,7 +644,7 @@ def _frontier_rows(path, record: dict) -> list[dict]:
         fields = {k: record.get(k) for k in DOWNSTREAM_FIELDS if k not in ("share", "scale")}
         scored = [(kind, corpus, entry) for kind in FRONTIER_PROBES for corpus, entry in record.get(kind, {}).items()]
         common = {"source": "projected", "family": _projected_family(record), "reference": f"model={record['model']}",
-                  **fields, "attention": None}  # fmt: skip
+                  **fields, "attention": None}
     else:
         fields = _run_fields(record, path)
         kinds = [kind for kind, (_, marker, _) in FRONTIER_PROBES.items() if marker in record]
@@ -652,13 +652,13 @@ def _frontier_rows(path, record: dict) -> list[dict]:
             raise ValueError(f"{path}: neither a perplexity, recall, long-context nor score_projected record")
         scored = [(kinds[0], record["corpus"], record)]
         common = {"source": "run", "family": _run_family(fields), "reference": f"hidden_size={fields['hidden_size']}",
-                  **fields}  # fmt: skip
+                  **fields}
     rows = []
     for kind, corpus, entry in scored:
         metric, _, value_of = FRONTIER_PROBES[kind]
         rows.append(common | {"probe": f"{kind}:{corpus}", "metric": metric,
                               "higher_is_better": not lower_is_better(metric), "value": float(value_of(entry)),
-                              "cache_bytes_per_token": _bytes(entry, path, kind)})  # fmt: skip
+                              "cache_bytes_per_token": _bytes(entry, path, kind)})
     return rows
 
 

@@ -30,7 +30,9 @@ from urllib.parse import parse_qs, unquote, urlsplit
 KINDS = ("model", "dataset", "space")
 # /<prefix><owner>/<name>/resolve/<revision>/<path>: models have no prefix
 RESOLVE = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
-API = re.compile(r"^/api/(models|datasets|spaces)/([^/]+/[^/]+)(?:/(revision|tree|paths-info)(?:/([^/]+))?(?:/(.*))?)?$")
+API = re.compile(
+    r"^/api/(models|datasets|spaces)/([^/]+/[^/]+)(?:/(revision|tree|paths-info)(?:/([^/]+))?(?:/(.*))?)?$"
+)
 
 
 @lru_cache(maxsize=None)
@@ -69,7 +71,13 @@ def _entry(folder: Path, rel: str) -> dict:
     sha = file_sha256(path)
     size = path.stat().st_size
     # every file as an LFS one: its oid is the sha256 that hf_hub_download keeps its blob under
-    return {"type": "file", "oid": sha[:40], "size": size, "path": rel, "lfs": {"oid": sha, "size": size, "pointerSize": 134}}
+    return {
+        "type": "file",
+        "oid": sha[:40],
+        "size": size,
+        "path": rel,
+        "lfs": {"oid": sha, "size": size, "pointerSize": 134},
+    }
 
 
 PEER_LOOKUPS = 5  # tries to find the process behind a connection (HubHandler.setup)
@@ -181,7 +189,7 @@ class HubHandler(BaseHTTPRequestHandler):
         if op in (None, "revision"):
             info = {"_id": repo, "id": repo, "sha": repo_sha(folder), "private": False, "disabled": False,
                     "gated": False, "downloads": 0, "likes": 0, "tags": [], "lastModified": "2024-01-01T00:00:00.000Z",
-                    "siblings": [{"rfilename": f, "size": (folder / f).stat().st_size} for f in repo_files(folder)]}  # fmt: skip
+                    "siblings": [{"rfilename": f, "size": (folder / f).stat().st_size} for f in repo_files(folder)]}
             if kind == "model":
                 info["modelId"] = repo
             return self._json(info)
@@ -210,7 +218,7 @@ class HubHandler(BaseHTTPRequestHandler):
         data = path.read_bytes()
         sha = file_sha256(path)
         headers = {"X-Repo-Commit": repo_sha(folder), "ETag": f'"{sha}"', "X-Linked-Etag": f'"{sha}"',
-                   "X-Linked-Size": str(len(data)), "Accept-Ranges": "bytes"}  # fmt: skip
+                   "X-Linked-Size": str(len(data)), "Accept-Ranges": "bytes"}
         status = 200
         if m := re.match(r"bytes=(\d*)-(\d*)$", self.headers.get("Range", "")):
             start, stop = m.groups()

@@ -29,7 +29,7 @@ MODELS = {
     "Qwen/Qwen2.5-7B-Instruct": "qwen2",
 }
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, max_position_embeddings=16384)  # fmt: skip
+             head_dim=16, max_position_embeddings=16384)
 PYTHIA = "EleutherAI/pythia-70m"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -44,7 +44,7 @@ def _words() -> list[str]:
 
     assets = files("wonderwords") / "assets"
     return sorted({w.strip().lower() for name in ("nounlist.txt", "adjectivelist.txt", "verblist.txt")
-                   for w in (assets / name).read_text().splitlines() if w.strip().isalpha()})  # fmt: skip
+                   for w in (assets / name).read_text().splitlines() if w.strip().isalpha()})
 
 
 class Text:
@@ -71,11 +71,19 @@ def _tokenizer(text: Text):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    corpus = [" ".join(text.words[i : i + 50]) + " 0123456789 " + text.paragraph(60) for i in range(0, len(text.words), 50)]
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [
+        " ".join(text.words[i : i + 50]) + " 0123456789 " + text.paragraph(60) for i in range(0, len(text.words), 50)
+    ]
     bpe.train_from_iterator(corpus, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                  pad_token="<|endoftext|>", model_max_length=131072, clean_up_tokenization_spaces=False)  # fmt: skip
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=131072,
+        clean_up_tokenization_spaces=False,
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -85,7 +93,9 @@ def _model(kind: str, vocab: int, seed: int):
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind]
-    config = cls(vocab_size=vocab, bos_token_id=0, eos_token_id=[0, 1], pad_token_id=0, tie_word_embeddings=False, **SHAPE)
+    config = cls(
+        vocab_size=vocab, bos_token_id=0, eos_token_id=[0, 1], pad_token_id=0, tie_word_embeddings=False, **SHAPE
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[0, 1], do_sample=False)
@@ -144,35 +154,64 @@ def build_datasets(root: Path, text: Text, n: int = 8) -> None:
     t = text
     letters = "ABCDE"
     # the Pile: 1 parquet split "train" (configs/paper.yaml slices it), BOOKSUM's chapters
-    _dataset(root, "EleutherAI/the_pile_deduplicated", {None: {"train": [{"text": t.paragraph(300)} for _ in range(300)]}})
+    _dataset(
+        root, "EleutherAI/the_pile_deduplicated", {None: {"train": [{"text": t.paragraph(300)} for _ in range(300)]}}
+    )
     _dataset(root, "kmfoda/booksum", {None: {s: [{"bid": i, "chapter": t.paragraph(1500), "summary_text": t.sentence()}
-                                                  for i in range(12)] for s in ("train", "validation", "test")}})  # fmt: skip
+                                                  for i in range(12)] for s in ("train", "validation", "test")}})
     _dataset(root, "Rowan/hellaswag", {None: _splits(["train", "validation", "test"], n, lambda i: {
         "ind": i, "activity_label": t.sentence(2), "ctx_a": t.sentence(), "ctx_b": t.sentence(4), "ctx": t.sentence(),
         "endings": [t.sentence(6) for _ in range(4)], "source_id": str(i), "split": "val", "split_type": "indomain",
-        "label": str(i % 4)})})  # fmt: skip
+        "label": str(i % 4)})})
     arc = lambda i: {"id": str(i), "question": t.sentence(), "answerKey": letters[i % 4],  # noqa: E731
                      "choices": {"text": [t.sentence(3) for _ in range(4)], "label": list(letters[:4])}}
-    _dataset(root, "allenai/ai2_arc", {c: _splits(["train", "validation", "test"], n, arc) for c in ("ARC-Challenge", "ARC-Easy")})
-    mmlu = lambda i: {"question": t.sentence(), "subject": "x", "choices": [t.sentence(3) for _ in range(4)], "answer": i % 4}  # noqa: E731
+    _dataset(
+        root,
+        "allenai/ai2_arc",
+        {c: _splits(["train", "validation", "test"], n, arc) for c in ("ARC-Challenge", "ARC-Easy")},
+    )
+    mmlu = lambda i: {
+        "question": t.sentence(),
+        "subject": "x",
+        "choices": [t.sentence(3) for _ in range(4)],
+        "answer": i % 4,
+    }  # noqa: E731
     _dataset(root, "cais/mmlu", {s: _splits(["test", "validation", "dev"], 5, mmlu) for s in mmlu_subjects()})
-    tqa = lambda i: {"question": t.sentence(), "mc1_targets": {"choices": [t.sentence(4) for _ in range(4)], "labels": [1, 0, 0, 0]},  # noqa: E731
-                     "mc2_targets": {"choices": [t.sentence(4) for _ in range(4)], "labels": [1, 1, 0, 0]}}
+    tqa = lambda i: {
+        "question": t.sentence(),
+        "mc1_targets": {"choices": [t.sentence(4) for _ in range(4)], "labels": [1, 0, 0, 0]},  # noqa: E731
+        "mc2_targets": {"choices": [t.sentence(4) for _ in range(4)], "labels": [1, 1, 0, 0]},
+    }
     _dataset(root, "truthfulqa/truthful_qa", {"multiple_choice": {"validation": [tqa(i) for i in range(n)]}})
     wino = lambda i: {"sentence": f"{t.sentence(5)[:-1]} _ {t.sentence(4)}", "option1": t.choice(t.words),  # noqa: E731
                       "option2": t.choice(t.words), "answer": str(1 + i % 2)}
     _dataset(root, "allenai/winogrande", {"winogrande_xl": _splits(["train", "validation", "test"], n, wino)})
-    csqa = lambda i: {"id": str(i), "question": t.sentence(), "question_concept": t.choice(t.words),  # noqa: E731
-                      "choices": {"label": list(letters), "text": [t.choice(t.words) for _ in letters]}, "answerKey": letters[i % 5]}
+    csqa = lambda i: {
+        "id": str(i),
+        "question": t.sentence(),
+        "question_concept": t.choice(t.words),  # noqa: E731
+        "choices": {"label": list(letters), "text": [t.choice(t.words) for _ in letters]},
+        "answerKey": letters[i % 5],
+    }
     _dataset(root, "tau/commonsense_qa", {None: _splits(["train", "validation", "test"], n, csqa)})
     gsm = lambda i: {"question": t.sentence(20), "answer": f"{t.sentence()}\n#### {i * 7}"}  # noqa: E731
     _dataset(root, "openai/gsm8k", {"main": _splits(["train", "test"], n, gsm)})
     mbpp = lambda i: {"task_id": i, "text": t.sentence(), "code": f"def f{i}(x):\n    return x + {i}",  # noqa: E731
                       "test_list": [f"assert f{i}({k}) == {k + i}" for k in range(3)], "test_setup_code": "",
                       "challenge_test_list": []}
-    _dataset(root, "google-research-datasets/mbpp", {"full": _splits(["train", "test", "validation", "prompt"], n, mbpp)})
-    news = lambda i: {"input": "", "context": t.paragraph(400), "answers": [t.paragraph(40)], "length": 400,  # noqa: E731
-                      "dataset": "multi_news", "language": "en", "all_classes": None, "_id": str(i)}
+    _dataset(
+        root, "google-research-datasets/mbpp", {"full": _splits(["train", "test", "validation", "prompt"], n, mbpp)}
+    )
+    news = lambda i: {
+        "input": "",
+        "context": t.paragraph(400),
+        "answers": [t.paragraph(40)],
+        "length": 400,  # noqa: E731
+        "dataset": "multi_news",
+        "language": "en",
+        "all_classes": None,
+        "_id": str(i),
+    }
     _dataset(root, "Xnhyacinth/LongBench", {"multi_news": {"test": [news(i) for i in range(n)]}})
     # RULER: the haystack essays, SQuAD v2 and HotpotQA (distractor) in their JSON layouts
     _dataset(root, "baber/paul_graham_essays", {None: {"train": [{"text": t.paragraph(3000)} for _ in range(4)]}})
@@ -189,11 +228,23 @@ def ruler_qa_files(t: Text, n: int = 600) -> dict[str, tuple[str, object]]:
     squad = {"version": "v2.0", "data": [{"title": f"t{j}", "paragraphs": [
         {"context": t.paragraph(24), "qas": [{"id": f"{j}-{k}", "question": t.sentence(8) + "?", "is_impossible": False,
                                               "answers": [{"text": t.choice(t.words), "answer_start": 0}]}]}
-        for k in range(4)]} for j in range(n // 4)]}  # fmt: skip
-    hotpot = [{"_id": str(i), "question": t.sentence(8) + "?", "answer": t.choice(t.words), "type": "bridge", "level": "easy",
-               "supporting_facts": [], "context": [[f"title {i} {k}", [t.sentence(6)]] for k in range(2)]}
-              for i in range(n)]  # fmt: skip
-    return {"rehearsal/squad": ("dev-v2.0.json", squad), "namlh2004/hotpotqa": ("hotpot_dev_distractor_v1.json", hotpot)}
+        for k in range(4)]} for j in range(n // 4)]}
+    hotpot = [
+        {
+            "_id": str(i),
+            "question": t.sentence(8) + "?",
+            "answer": t.choice(t.words),
+            "type": "bridge",
+            "level": "easy",
+            "supporting_facts": [],
+            "context": [[f"title {i} {k}", [t.sentence(6)]] for k in range(2)],
+        }
+        for i in range(n)
+    ]
+    return {
+        "rehearsal/squad": ("dev-v2.0.json", squad),
+        "namlh2004/hotpotqa": ("hotpot_dev_distractor_v1.json", hotpot),
+    }
 
 
 def mmlu_subjects() -> list[str]:

@@ -38,7 +38,7 @@ def _lm_eval_task_files() -> dict[Path, str] | None:
         return None
     root = Path(next(iter(found.submodule_search_locations))) / "tasks"
     return {p.resolve(): p.read_text(errors="replace") for p in root.rglob("*")
-            if p.is_file() and (p.suffix == ".yaml" or ("yaml" in p.name and not p.suffix))}  # fmt: skip
+            if p.is_file() and (p.suffix == ".yaml" or ("yaml" in p.name and not p.suffix))}
 
 
 def lm_eval_task_names() -> frozenset[str] | None:
@@ -50,7 +50,7 @@ def lm_eval_task_names() -> frozenset[str] | None:
     if files is None:
         return None
     return frozenset(name for text in files.values()
-                     for name in re.findall(r"^(?:task|group|tag):\s*['\"]?([\w.-]+)", text, re.M))  # fmt: skip
+                     for name in re.findall(r"^(?:task|group|tag):\s*['\"]?([\w.-]+)", text, re.M))
 
 
 def unsafe_lm_eval_tasks() -> frozenset[str]:
@@ -72,7 +72,7 @@ def unsafe_lm_eval_tasks() -> frozenset[str]:
 
     return frozenset(name for path, text in files.items() if "unsafe_code" in text or "include:" in text
                      for name in re.findall(r"^task:\s*['\"]?([\w.-]+)", text, re.M)
-                     if name != "null" and unsafe(path))  # fmt: skip
+                     if name != "null" and unsafe(path))
 
 
 def need_dataset(p, key: str, name: str) -> None:
@@ -153,7 +153,9 @@ def check_references(p) -> None:
         if "run" not in spec:
             deep = [l for l in p.num_projected(spec["name"]) if spec.get("num_hidden_layers", l) < l]
             if deep and p.downstream["objectives"]:
-                where = f"dimpo.models[{i}].num_projected" if "num_projected" in spec else "dimpo.downstream.num_projected"
+                where = (
+                    f"dimpo.models[{i}].num_projected" if "num_projected" in spec else "dimpo.downstream.num_projected"
+                )
                 raise ConfigError(where, f"l={deep[0]} exceeds the {spec['num_hidden_layers']} layers of "
                                          f"{spec['hub']!r} (dimpo.models[{i}].num_hidden_layers)")
             continue
@@ -171,8 +173,9 @@ def check_references(p) -> None:
         depth = [l for l in p.num_projected(spec["name"]) if l > run.model["num_hidden_layers"]]
         if depth and p.downstream["objectives"]:
             where = f"dimpo.models[{i}].num_projected" if "num_projected" in spec else "dimpo.downstream.num_projected"
-            raise ConfigError(where,
-                              f"l={depth[0]} exceeds the {run.model['num_hidden_layers']} layers of run {spec['run']!r}")
+            raise ConfigError(
+                where, f"l={depth[0]} exceeds the {run.model['num_hidden_layers']} layers of run {spec['run']!r}"
+            )
         if run.synthetic:  # the recall corpus or the long-context suite: captured on its own examples
             _check_recall_capture(p, i, spec, run)
         elif p.dimpo_capture(spec["name"])["seq_len"] > run.training["seq_len"]:
@@ -233,12 +236,14 @@ def _check_longctx(p) -> None:
             own = datasets[p.runs[run].dataset]
             differ = [f for f in LONGCTX_VOCABULARY if datasets[name].get(f) != own.get(f)]
             if differ:
-                raise ConfigError(f"datasets.{name}.{differ[0]}",
-                                  f"{datasets[name].get(differ[0])!r} differs from {p.runs[run].dataset!r}'s "
-                                  f"{own.get(differ[0])!r}, on which run {run!r} is trained: its vocabulary or layout differs")
+                raise ConfigError(
+                    f"datasets.{name}.{differ[0]}",
+                    f"{datasets[name].get(differ[0])!r} differs from {p.runs[run].dataset!r}'s "
+                    f"{own.get(differ[0])!r}, on which run {run!r} is trained: its vocabulary or layout differs",
+                )
             # a subtask the run never saw asked of it: its task token was never trained
             unseen = [t for t in datasets[name].get("subtasks", SUITE_SUBTASKS)
-                      if t not in own.get("subtasks", SUITE_SUBTASKS)]  # fmt: skip
+                      if t not in own.get("subtasks", SUITE_SUBTASKS)]
             if unseen:
                 raise ConfigError(f"datasets.{name}.subtasks",
                                   f"asks {unseen}, which run {run!r} never trains on ({p.runs[run].dataset!r} "
@@ -260,14 +265,18 @@ def _check_top_k(p) -> None:
             if fit.objective not in HEAD_OBJECTIVES:
                 continue
             main = fit.study == MAIN_STUDY
-            prefix, study = ("dimpo", p.dimpo) if main else (f"dimpo.ablations.{fit.study}", p.dimpo["ablations"][fit.study])
+            prefix, study = (
+                ("dimpo", p.dimpo) if main else (f"dimpo.ablations.{fit.study}", p.dimpo["ablations"][fit.study])
+            )
             per = (hp.get("per_objective") or {}).get(fit.objective) or {}
             layers = [("dimpo.hparams", base), (f"dimpo.hparams.per_objective.{fit.objective}", per),
-                      (f"{prefix}.settings[{fit.order}]", study["settings"][fit.order])]  # fmt: skip
+                      (f"{prefix}.settings[{fit.order}]", study["settings"][fit.order])]
             values, source = {}, None
             for key, layer in layers:
                 if layer.get("k") is not None and layer.get("k_share") is not None:
-                    raise ConfigError(f"{key}.k_share", f"set k ({layer['k']}) or k_share ({layer['k_share']}), not both")
+                    raise ConfigError(
+                        f"{key}.k_share", f"set k ({layer['k']}) or k_share ({layer['k_share']}), not both"
+                    )
                 for name in ("k", "k_share"):
                     if layer.get(name) is not None:
                         values |= {"k": None, "k_share": None, name: layer[name]}
@@ -296,9 +305,11 @@ def _check_unsafe_tasks(p) -> None:
     for key, tasks in (("evaluation.lm_eval.tasks", lm_tasks), ("dimpo.downstream.tasks", ds_tasks)):
         for i, task in enumerate(tasks):
             if known is not None and task["name"] not in own and task["name"] not in known:
-                raise ConfigError(f"{key}[{i}].name",
-                                  f"{task['name']!r} is neither a task of dimattn/evaluation/lm_eval_tasks ({sorted(own)}) "
-                                  "nor one lm-eval's task registry holds")
+                raise ConfigError(
+                    f"{key}[{i}].name",
+                    f"{task['name']!r} is neither a task of dimattn/evaluation/lm_eval_tasks ({sorted(own)}) "
+                    "nor one lm-eval's task registry holds",
+                )
     unsafe = unsafe_lm_eval_tasks()
     for i, task in enumerate(lm_tasks):
         if task["name"] in unsafe and not p.lm_eval["allow_unsafe_code"]:
@@ -319,12 +330,12 @@ def _check_recall_capture(p, i: int, spec: dict, run) -> None:
     if capture["seq_len"] != data["seq_len"]:
         raise ConfigError(f"dimpo.models[{i}].capture.seq_len",
                           f"{capture['seq_len']} is not the example length {data['seq_len']} of {run.dataset!r}, "
-                          f"which run {spec['run']!r} is captured on")  # fmt: skip
+                          f"which run {spec['run']!r} is captured on")
     for purpose, split in (("fit_sequences", p.capture_split("fit")), ("eval_sequences", "test")):
         if capture[purpose] > data[f"n_{split}"]:
             raise ConfigError(f"dimpo.models[{i}].capture.{purpose}",
                               f"{capture[purpose]} exceeds the {data[f'n_{split}']} {split} examples of "
-                              f"{run.dataset!r}")  # fmt: skip
+                              f"{run.dataset!r}")
 
 
 def _check_downstream(p) -> None:
@@ -347,7 +358,9 @@ def _check_downstream(p) -> None:
             unknown = [v for v in asked if v not in p.grid(model, key)]
             if unknown:
                 where = f"dimpo.models[{i}].{key}" if key in p.dimpo_models[model] else f"dimpo.{key}"
-                raise ConfigError(culprit, f"{unknown[0]!r} is not fitted for {model!r} ({where}: {p.grid(model, key)})")
+                raise ConfigError(
+                    culprit, f"{unknown[0]!r} is not fitted for {model!r} ({where}: {p.grid(model, key)})"
+                )
     ruler = [t["name"] for t in ds["tasks"] if t["name"] in RULER_TASKS]
     short = [n for n in ds["metadata"].get("max_seq_lengths", []) if n < RULER_MIN_LENGTH]
     if ruler and (short or not ds["metadata"].get("max_seq_lengths")):
@@ -359,7 +372,7 @@ def _check_downstream(p) -> None:
         if stray:
             raise ConfigError(f"dimpo.downstream.tasks[{i}].d_prime",
                               f"{stray[0]} is not among dimpo.downstream.d_prime {ds['d_prime']}: no projected model "
-                              "of that width is made")  # fmt: skip
+                              "of that width is made")
     for i, entry in enumerate(ds["studies"]):
         key = f"dimpo.downstream.studies[{i}]"
         if entry["study"] == MAIN_STUDY:
@@ -402,7 +415,9 @@ def _check_downstream(p) -> None:
         if "snapkv" in spec:
             window = spec["snapkv"]["window"]
             if spec["snapkv"]["budget"] <= window:
-                raise ConfigError(f"{key}.snapkv.budget", f"{spec['snapkv']['budget']} must exceed the window, {window}")
+                raise ConfigError(
+                    f"{key}.snapkv.budget", f"{spec['snapkv']['budget']} must exceed the window, {window}"
+                )
         if "kivi" in spec:
             group, residual = spec["kivi"]["group_size"], spec["kivi"]["residual"]
             if residual % group:

@@ -184,7 +184,7 @@ def hub_shape(repo: str, cache_dir=None) -> dict | None:
     embeddings = c["vocab_size"] * d * (1 if c.get("tie_word_embeddings") else 2)
     params = layers * (attention + 3 * d * c["intermediate_size"]) + embeddings
     return dict(layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, params=params,
-                vocab=c["vocab_size"], context=c.get("max_position_embeddings") or 4096)  # fmt: skip
+                vocab=c["vocab_size"], context=c.get("max_position_embeddings") or 4096)
 
 
 def run_shape(model: dict, vocab_size: int, seq_len: int) -> dict:
@@ -192,11 +192,11 @@ def run_shape(model: dict, vocab_size: int, seq_len: int) -> dict:
     d, layers, heads = model["hidden_size"], model["num_hidden_layers"], model["num_attention_heads"]
     far = model.get("attention") in ("dar", "uniform")
     return dict(layers=layers, heads=heads, kv_heads=heads, head_dim=d // heads, far=far,
-                params=gpt_neox_parameters(d, layers, vocab_size), vocab=vocab_size, context=seq_len)  # fmt: skip
+                params=gpt_neox_parameters(d, layers, vocab_size), vocab=vocab_size, context=seq_len)
 
 
 def capture(shape: dict | None, n_sequences: int, seq_len: int, capture_dtype: str, resources: dict,
-            device: str, cluster: dict) -> dict:  # fmt: skip
+            device: str, cluster: dict) -> dict:
     """First-attempt {mem_mb, runtime} of a capture (module docstring); configured floors kept, and
     the configured values alone when the shape is unknown."""
     floor = {"mem_mb": resources["mem_mb"], "runtime": resources["runtime"]}
@@ -214,7 +214,7 @@ def capture(shape: dict | None, n_sequences: int, seq_len: int, capture_dtype: s
 
 
 def fit(shape: dict | None, n_fit: int, n_eval: int, seq_len: int, d_prime: int, hparams: dict,
-        resources: dict, device: str, cluster: dict, seeds: int = 1) -> dict:  # fmt: skip
+        resources: dict, device: str, cluster: dict, seeds: int = 1) -> dict:
     """First-attempt {mem_mb, runtime} of a fit_projection job (module docstring), an upper bound
     over the objectives (every hparams.per_objective entry); configured floors kept, and the
     configured values alone when the shape is unknown. ``seeds``: the fit seeds the job fits one
@@ -278,7 +278,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
 
 def _task_work(task: dict, context: int, ruler_lengths: list[int], own_docs: dict | None = None
-               ) -> list[tuple[int, int, int, int]]:  # fmt: skip
+               ) -> list[tuple[int, int, int, int]]:
     """[(documents, requests, context tokens, generated tokens), ...] of one task entry; our own
     tasks' documents from ``own_docs`` (evaluation.lm_eval's heldout_docs, next_line_docs)."""
     name = task["name"]
@@ -294,7 +294,7 @@ def _task_work(task: dict, context: int, ruler_lengths: list[int], own_docs: dic
 
 def score(shape: dict | None, corpus_tokens: int, tasks: list[dict], batch_size: int, limit: int | None,
           ruler_lengths: list[int], floor: dict, device: str, cluster: dict, own_docs: dict | None = None
-          ) -> dict:  # fmt: skip
+          ) -> dict:
     """First-attempt {mem_mb, runtime} of a scoring job (module docstring); ``floor`` kept, and
     alone when the shape is unknown. ``tasks``: lm-eval task entries (name, num_fewshot,
     batch_size, dtype)."""
@@ -353,7 +353,7 @@ def first_attempts(plan) -> dict:
         def fit_asks(d_prime, shape=shape, cfg=cfg):
             return fit(shape, cfg["fit_sequences"], cfg["eval_sequences"], cfg["seq_len"], int(d_prime),
                        plan.dimpo["hparams"], plan.dimpo["resources"], device, cluster,
-                       seeds=len(plan.dimpo["seeds"]))  # fmt: skip
+                       seeds=len(plan.dimpo["seeds"]))
 
         widest = fit_asks(shape["head_dim"]) if shape else fit_asks(1)
         for resource, value in widest.items():
@@ -390,9 +390,9 @@ def scoring(plan, vocab: int, device: str, cluster: dict) -> dict:
         rule = "score_text" if name in plan.lm_eval_runs else "perplexity"
         tasks = lm["tasks"] if rule == "score_text" else []
         asks = score(shape, corpus, tasks, lm["batch_size"], lm.get("limit"), [], SCORE_FLOORS[rule], device, cluster,
-                     own_docs)  # fmt: skip
+                     own_docs)
         out[rule][name] = _checked(f"evaluation.perplexity.max_tokens or evaluation.lm_eval.tasks ({rule} of {name})",
-                                   asks, cluster)  # fmt: skip
+                                   asks, cluster)
     ruler = (down.get("metadata") or {}).get("max_seq_lengths") or [4096]
     for model, spec in plan.dimpo_models.items():
         run = plan.runs.get(spec.get("run"))
@@ -403,7 +403,7 @@ def scoring(plan, vocab: int, device: str, cluster: dict) -> dict:
         def asks(d_prime, shape=shape, tokens=tokens, probe=probe):
             tasks = [] if probe == "recall" else downstream_tasks(down["tasks"], int(d_prime))
             return score(shape, tokens, tasks, ppl["batch_size"], down.get("limit"), ruler, plan.dimpo["resources"],
-                         device, cluster, own_docs)  # fmt: skip
+                         device, cluster, own_docs)
 
         _checked(f"dimpo.downstream (the scoring of {model})", asks(0), cluster)  # the base model: every task
         out["score_projected"][model] = asks

@@ -253,7 +253,7 @@ class Plan:
             if model in self.study_models(f.study)
             and (f.study != MAIN_STUDY or (f.objective in self.grid(model, "objectives")
                                            and f.d_prime in self.grid(model, "d_prime")))
-        ]  # fmt: skip
+        ]
 
     def dimpo_probe(self, model: str) -> str:
         """How a dimpo model is captured and scored downstream: "recall" (our run on a synthetic
@@ -425,10 +425,16 @@ def expand_sweeps(p: Plan) -> dict[str, Run]:
         if len(set(seeds)) != len(seeds):
             raise ConfigError(f"{key}.seed", f"{seeds} repeats a seed")
         for values, seed in itertools.product(itertools.product(*(v for _, v in swept)), seeds):
-            model = {**copy.deepcopy(scales[scale]["architecture"]), **fixed, **dict(zip((k for k, _ in swept), values))}
+            model = {
+                **copy.deepcopy(scales[scale]["architecture"]),
+                **fixed,
+                **dict(zip((k for k, _ in swept), values)),
+            }
             for field_, message in variants.check_model(model):
                 where = f"pretraining.scales.{scale}.architecture" if field_ == "hidden_size" else key
-                raise ConfigError(f"{where}.{field_}", message + (f" (scale {scale!r})" if field_ != "attention" else ""))
+                raise ConfigError(
+                    f"{where}.{field_}", message + (f" (scale {scale!r})" if field_ != "attention" else "")
+                )
             name = variants.run_name(scale, model, seed)
             if name in runs:
                 raise ConfigError(key, f"run {name!r} is already defined by an earlier sweep")

@@ -26,7 +26,9 @@ def setting_name(overrides: dict) -> str:
     "key=value,..." in the given order, values as JSON ("k=64,lam=0.5", "causal=true")."""
     if not overrides:
         return DEFAULT_SETTING
-    return ",".join(f"{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in overrides.items())
+    return ",".join(
+        f"{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in overrides.items()
+    )
 
 
 def parse_setting(name: str) -> dict:
@@ -46,12 +48,12 @@ def parse_setting(name: str) -> dict:
 
 RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                "niah_multikey_3", "niah_multiquery", "niah_multivalue", "ruler_vt", "ruler_cwe", "ruler_fwe",
-               "ruler_qa_squad", "ruler_qa_hotpot")  # fmt: skip
+               "ruler_qa_squad", "ruler_qa_hotpot")
 RULER_MIN_LENGTH = 2048
 # The lm-eval RULER task each subtask of our long-context suite (dimattn.data.longctx) stands for.
 RULER_TASK = {"niah_single": "niah_single_1", "niah_multikey": "niah_multikey_1", "niah_multivalue": "niah_multivalue",
               "niah_multiquery": "niah_multiquery", "vt": "ruler_vt", "cwe": "ruler_cwe", "fwe": "ruler_fwe",
-              "qa": "ruler_qa_squad"}  # fmt: skip
+              "qa": "ruler_qa_squad"}
 SUITE_SUBTASKS = tuple(RULER_TASK)  # the suite's subtasks, in dimattn.data.longctx.SUBTASKS' order
 # Runs DimPO can project: vanilla, and DAR or uniform, whose far keys F projects too (both
 # reductions composed, dimattn.model.modeling_projected); a sliding window drops keys F never sees.

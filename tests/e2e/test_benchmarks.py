@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 HOST_FIELDS = {"cpu_model", "cpus", "torch", "cpu_capability", "cpu_flags", "bf16_native", "peak_threads", "peak_n",
-               "host_fp32_peak_gflops", "host_bf16_peak_gflops"}  # fmt: skip
+               "host_fp32_peak_gflops", "host_bf16_peak_gflops"}
 XEON = """processor\t: 0
 vendor_id\t: GenuineIntel
 model name\t: Intel(R) Xeon(R) Platinum 8480+
@@ -39,7 +39,7 @@ def training_run():
     """(stdout records, stderr records) of benchmarks/training.py at the smoke config's tiny
     scale, one repeat, in a process of its own (it sets torch's threads)."""
     cmd = [sys.executable, str(REPO / "benchmarks" / "training.py"), "--config", str(REPO / "configs" / "smoke.yaml"),
-           "--repeats", "1", "--peak-n", "128", "--peak-loops", "1", "--profile-steps", "2"]  # fmt: skip
+           "--repeats", "1", "--peak-n", "128", "--peak-loops", "1", "--profile-steps", "2"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-4000:]
     return _json_lines(run.stdout), _json_lines(run.stderr)
@@ -66,7 +66,7 @@ def test_every_training_record_carries_the_host_bf16_peak(training_run):
     assert names == ["matmul_peak_fp32", "matmul_peak_bf16", *(f"train_step_{v}_{p}" for v in ("vanilla", "dar")
                      for p in ("fp32", "bf16")), "dar_over_vanilla_fp32", "dar_over_vanilla_bf16",
                      "bf16_over_fp32_vanilla", "bf16_over_fp32_dar", f"profile_vanilla_{precision}",
-                     f"profile_dar_{precision}"]  # fmt: skip
+                     f"profile_dar_{precision}"]
     assert all(r["host_bf16_peak_gflops"] == host["host_bf16_peak_gflops"] > 0 for r in out)
     steps = [r for r in out if r["name"].startswith("train_step_")]
     assert all(r["step_s"] > 0 and 0 < r["mfu"] for r in steps)  # the fields the README reads, kept
@@ -140,7 +140,7 @@ def test_fit_and_key_matching_stamp_their_lines(tmp_path, capsys):
     _load("fit").main(["--capture", str(tmp_path / "none.safetensors"), "--objectives", "kl", "--steps", "2",
                        "--layers", "1", "--sequences", "2", "--seq-len", "16", "--head-dim", "8", "--repeats", "1"])
     _load("key_matching").main(["drill", "--steps", "1", "--layers", "1", "--hidden", "16", "--batch", "4",
-                                "--test-examples", "4"])  # fmt: skip
+                                "--test-examples", "4"])
     captured = capsys.readouterr()
     hosts = _json_lines(captured.err)
     assert [r["name"] for r in hosts] == ["host", "host"] and HOST_FIELDS <= set(hosts[0])
@@ -153,7 +153,12 @@ def test_dag_times_sums_each_rule_and_stamps_the_host(tmp_path, capsys, monkeypa
     """--dag-times: Snakemake's benchmark files summed per rule (the folder they lie in), largest
     first, a total, each line with the host's bf16 peak; a job without a time (NA) is left out."""
     header = "s\th:m:s\tmax_rss\n"
-    for rule, name, s in [("pretrain", "a", "10.5"), ("pretrain", "b", "4.5"), ("recall", "a", "3.0"), ("recall", "b", "NA")]:
+    for rule, name, s in [
+        ("pretrain", "a", "10.5"),
+        ("pretrain", "b", "4.5"),
+        ("recall", "a", "3.0"),
+        ("recall", "b", "NA"),
+    ]:
         (tmp_path / rule).mkdir(exist_ok=True)
         (tmp_path / rule / f"{name}.tsv").write_text(f"{header}{s}\t0:00:10\t1.0\n")
     training = _load("training")

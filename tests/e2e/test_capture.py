@@ -21,8 +21,7 @@ from dimattn.dimpo.capture import capture_qkv
 from dimattn.dimpo.capture_files import save_capture
 
 # Run in a fresh process so that its peak RSS (ru_maxrss) is the capture's, not the test session's.
-MEASURE = textwrap.dedent(
-    """
+MEASURE = textwrap.dedent("""
     import ctypes, json, resource, sys
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -60,8 +59,7 @@ MEASURE = textwrap.dedent(
     save_capture(capture, out, {"model": "llama"})
     print(json.dumps(dict(before=before, captured=captured, model=model_bytes, forward=forward, capture_peak=capture_peak,
                           held=status("VmRSS"), peak=status("VmHWM"))))
-    """
-)
+    """)
 
 
 def measure(tmp_path, n=16, t=512):
@@ -70,7 +68,7 @@ def measure(tmp_path, n=16, t=512):
     # fixed, every block past 64 KiB goes back when freed and the peak is what is live (1.056x).
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     result = subprocess.run([sys.executable, "-c", MEASURE, str(n), str(t), str(tmp_path / "c.safetensors")],
-                            capture_output=True, text=True, check=True, env=env)  # fmt: skip
+                            capture_output=True, text=True, check=True, env=env)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -87,7 +85,7 @@ def test_capture_peaks_at_about_one_copy_of_the_captured_tensors(measured):
     growth = m["peak"] - m["before"]  # the model is in "before"
     print(f"captured {m['captured'] / 2**20:.1f} MiB, model {m['model'] / 2**20:.1f} MiB, one forward "
           f"{m['forward'] / 2**20:.1f} MiB, peak growth {growth / 2**20:.1f} MiB "
-          f"({growth / m['captured']:.2f}x; capture alone {(m['capture_peak'] - m['before']) / m['captured']:.2f}x)")  # fmt: skip
+          f"({growth / m['captured']:.2f}x; capture alone {(m['capture_peak'] - m['before']) / m['captured']:.2f}x)")
     # One copy of the captured tensors, beside one forward pass's working set (the capture's
     # forwards run while the copy fills), and 5 % slack: holding lists and concatenating (2.55x) fails.
     assert growth <= 1.05 * m["captured"] + m["forward"], m
@@ -106,7 +104,7 @@ def test_capture_estimate_covers_the_measured_streamed_capture(measured):
 def gqa_llama(t=24):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=t)  # fmt: skip
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=t)
     return LlamaForCausalLM(config).eval()
 
 

@@ -97,7 +97,7 @@ def test_readme_dag_draws_the_real_rules():
     rules = set()
     for extra in ([], ["--configfile", "configs/cpu-full.yaml"]):  # cpu-full: the suite's render rule too
         out = subprocess.run([sys.executable, "-m", "snakemake", "--list-rules", *extra], cwd=REPO,
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+                             capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         rules |= set(out.stdout.split())
     assert {"all", "pretrain", "render_dar"} <= rules, rules
@@ -182,7 +182,9 @@ def _schema_has(node: dict, parts: list[str]) -> bool:
         return any(_schema_has(sub, rest) for sub in subs)
     if head.endswith("]"):
         name = re.sub(r"\[[^]]*\]$", "", head)
-        return _schema_has(node, [name]) and _schema_has(node.get("properties", {}).get(name, {}).get("items", {}), rest)
+        return _schema_has(node, [name]) and _schema_has(
+            node.get("properties", {}).get(name, {}).get("items", {}), rest
+        )
     props = node.get("properties", {})
     if head in props:
         return _schema_has(props[head], rest)
@@ -206,7 +208,7 @@ def test_every_rule_a_page_names_exists(page):
     """`rule x`, `x` rule and the rules in a `snakemake ... <target>` command are rules."""
     text = (REPO / page).read_text()
     rules = set(re.findall(r"^rule ([a-z_]+):", "\n".join(p.read_text() for p in (REPO / "rules").glob("*.smk"))
-                           + (REPO / "Snakefile").read_text(), re.M))  # fmt: skip
+                           + (REPO / "Snakefile").read_text(), re.M))
     rules |= {"render_dar", "render_baselines", "render_recall", "render_lm_eval", "render_dimpo", "render_frontier",
               "render_long_context"}  # the report categories' rules (rules/report.smk's loop)
     named = set(re.findall(r"rule `([a-z_]+)`", text)) | set(re.findall(r"`([a-z_]+)` rules?\b", text))
@@ -215,6 +217,10 @@ def test_every_rule_a_page_names_exists(page):
 
 def test_ci_runs_the_test_command_and_the_rehearsal():
     """.ci/run runs the README's test command and the paper DAG's dress rehearsal."""
-    ci = [line.strip() for line in (REPO / ".ci/run").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    ci = [
+        line.strip()
+        for line in (REPO / ".ci/run").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert "make test" in ci and "make rehearsal" in ci and ci.index("make test") < ci.index("make rehearsal")
     assert "make test" in (REPO / "README.md").read_text()

@@ -139,7 +139,9 @@ def test_env_extras_exist(env):
     for name, (_, extras) in env_packages(env).items():
         if extras:
             declared = {normalize(e) for e in metadata.metadata(name).get_all("Provides-Extra") or []}
-            assert {normalize(e) for e in extras} <= declared, f"{env.name}: {name}{sorted(extras)}, declared {sorted(declared)}"
+            assert {
+                normalize(e) for e in extras
+            } <= declared, f"{env.name}: {name}{sorted(extras)}, declared {sorted(declared)}"
 
 
 # --- rules ---------------------------------------------------------------------------------------
@@ -287,7 +289,7 @@ def direct_imports(path: Path) -> tuple[tuple[str, bool], ...]:
                 # `from pkg import submodule` imports the submodule
                 found.extend((f"{mod}.{a.name}", inner) for a in child.names if module_file(f"{mod}.{a.name}"))
             elif (isinstance(child, ast.Call) and getattr(child.func, "id", getattr(child.func, "attr", None))
-                  == "import_module" and "__package__" in ast.unparse(child)):  # fmt: skip
+                  == "import_module" and "__package__" in ast.unparse(child)):
                 pkg_dir = module_file(package).parent
                 found.extend((module_name(p), True) for p in sorted(pkg_dir.glob("*.py")))
             visit(child, inner)
@@ -370,9 +372,12 @@ def test_import_scan_sees_the_dynamic_lazy_and_optional_imports():
     render = third_party_imports(REPO / "workflow_scripts" / "render.py")
     assert {"pandas", "matplotlib", "seaborn", "jinja2"} <= set(render)
     assert ("dimattn.reporting.dar_trajectory", frozenset({"dimattn.reporting.outputs"})) in render["seaborn"]
-    assert ("dimattn.data.corpora", frozenset({"dimattn.data.corpora"})) in third_party_imports(REPO / "workflow_scripts" / "download_sdist.py")[
-        "packaging"]
-    assert ("dimattn.pretraining.training", frozenset()) in third_party_imports(REPO / "workflow_scripts" / "pretrain.py")["torch"]
+    assert ("dimattn.data.corpora", frozenset({"dimattn.data.corpora"})) in third_party_imports(
+        REPO / "workflow_scripts" / "download_sdist.py"
+    )["packaging"]
+    assert ("dimattn.pretraining.training", frozenset()) in third_party_imports(
+        REPO / "workflow_scripts" / "pretrain.py"
+    )["torch"]
     summarize = third_party_imports(REPO / "workflow_scripts" / "summarize.py")
     assert all("dimattn" in origins for _, origins in summarize["torch"]), summarize["torch"]
 
@@ -439,7 +444,7 @@ def config_tasks() -> dict[str, set[str]]:
     for path in [REPO / "config.yaml", *sorted((REPO / "configs").glob("*.yaml"))]:
         config = yaml.safe_load(path.read_text()) or {}
         lists = [((config.get("evaluation") or {}).get("lm_eval") or {}).get("tasks"),
-                 ((config.get("dimpo") or {}).get("downstream") or {}).get("tasks")]  # fmt: skip
+                 ((config.get("dimpo") or {}).get("downstream") or {}).get("tasks")]
         for task in (t for lst in lists for t in lst or []):
             tasks.setdefault(task["name"], set()).add(path.name)
     return tasks
@@ -467,7 +472,7 @@ def task_code_imports(directory: Path) -> dict[str, set[str]]:
     `!function`, following their imports of modules of the same directory or of lm_eval.tasks."""
     tasks_root = Path(__import__("importlib.util").util.find_spec("lm_eval").origin).parent / "tasks"
     todo = {directory / f"{m}.py" for y in directory.glob("*.yaml")
-            for m in re.findall(r"!function\s+([\w]+)\.\w+", y.read_text(errors="replace"))}  # fmt: skip
+            for m in re.findall(r"!function\s+([\w]+)\.\w+", y.read_text(errors="replace"))}
     found, seen = {}, set()
     while todo:
         path = todo.pop()
@@ -476,7 +481,7 @@ def task_code_imports(directory: Path) -> dict[str, set[str]]:
         seen.add(path)
         tree = ast.parse(path.read_text(), filename=str(path))
         optional = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) and _optional_import(t)
-                    for b in t.body for n in ast.walk(b)}  # fmt: skip
+                    for b in t.body for n in ast.walk(b)}
         for node in ast.walk(tree):
             if id(node) in optional:
                 continue
@@ -512,7 +517,9 @@ def test_lm_eval_env_holds_the_imports_of_each_configured_task(task):
             for top, modules in sorted(task_code_imports(directory).items()):
                 dists = names.get(top) or [normalize(IMPORT_TO_DIST.get(top, top))]
                 if not any(d in closure for d in dists):
-                    missing.append(f"{top} ({'/'.join(dists)}), imported by {', '.join(sorted(modules))} in {directory.name}/")
+                    missing.append(
+                        f"{top} ({'/'.join(dists)}), imported by {', '.join(sorted(modules))} in {directory.name}/"
+                    )
         assert not missing, (
             f"lm-eval task {task} (asked by {', '.join(sorted(config_tasks()[task]))}) needs, in "
             f"{env.relative_to(REPO)}:\n  " + "\n  ".join(missing))

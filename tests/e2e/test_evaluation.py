@@ -162,7 +162,7 @@ def scored_run(tmp_path, monkeypatch):
     tokenizer = train_tokenizer(docs, vocab_size=300, out_dir=run)
     torch.manual_seed(0)
     cfg = DimAttnConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        max_position_embeddings=2048)  # fmt: skip
+                        max_position_embeddings=2048)
     DimAttnForCausalLM(cfg).save_pretrained(run)
     tasks = (evaluation.HELDOUT_TASK, evaluation.NEXT_LINE_TASK)
     evaluation.write_lm_eval_data(docs, {t: Path(paths.lm_eval_data(t)) for t in tasks}, 2, 4, None, 0)
@@ -170,7 +170,7 @@ def scored_run(tmp_path, monkeypatch):
 
 
 def test_each_lm_eval_task_is_kept_as_it_finishes_and_a_rerun_scores_only_the_missing(scored_run, tmp_path,
-                                                                                     monkeypatch):  # fmt: skip
+                                                                                     monkeypatch):
     """Table 4's score_text: one failing task (MBPP, once) loses nothing else; the rerun scores it
     alone, and the record equals an uninterrupted one."""
     import lm_eval
@@ -226,7 +226,7 @@ def test_a_projected_model_keeps_each_lm_eval_task_as_it_finishes(scored_run, tm
     tasks = [{"name": evaluation.NEXT_LINE_TASK}, {"name": evaluation.HELDOUT_TASK}]
     partial, out = tmp_path / "checkpoints/projected", tmp_path / "downstream.json"
     kw = dict(model_dir=scored_run, fields={"objective": "base", "d_prime": 0}, tokens={}, seq_len=64, batch_size=2,
-              max_tokens=None, tasks=tasks, limit=2, out_json=out, partial_dir=partial)  # fmt: skip
+              max_tokens=None, tasks=tasks, limit=2, out_json=out, partial_dir=partial)
     with pytest.raises(RuntimeError, match=evaluation.HELDOUT_TASK):
         score_projected(**kw)
     assert not out.exists() and [p.name for p in partial.iterdir()] == [f"{evaluation.NEXT_LINE_TASK}.json"]
@@ -332,7 +332,7 @@ def test_lm_eval_scores_the_loaded_model_for_tasks_in_its_dtype(scored_run, monk
                         lambda *a, **kw: loads.append(kw.get("dtype")) or real(*a, **kw))
     assert evaluation.lm_eval_results(scored_run, tasks, 2, 2, model=model) == from_dir and loads == []
     evaluation.lm_eval_results(scored_run, [{"name": evaluation.NEXT_LINE_TASK, "dtype": "bfloat16"}], 2, 2,
-                               model=model)  # fmt: skip
+                               model=model)
     assert len(loads) == 1 and str(loads[0]).endswith("bfloat16")
 
 

@@ -17,7 +17,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu.py"
 def run(*args):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--small", "--threads", "1", *args],
-                            capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+                            capture_output=True, text=True, env=env, timeout=300)
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     return result, lines
 
@@ -79,7 +79,7 @@ def test_flex_kernels_pass_against_the_cpu_reference(small_run):
         assert err["max_abs"] > 0  # bf16 against float64: never exactly equal
     skipped = {(line["section"], line["what"]) for line in by_name(lines, "skipped")}
     assert skipped == {("kernels", "FlexAttention backward (gradients)"), ("train", "torch.compile"),
-                       ("capture", "peak GPU memory"), ("kernel_speed", "FlexAttention backward timing")}  # fmt: skip
+                       ("capture", "peak GPU memory"), ("kernel_speed", "FlexAttention backward timing")}
 
 
 def test_kernel_speed_reports_live_pairs_blocks_and_where_the_mask_is_built(small_run):
@@ -89,7 +89,9 @@ def test_kernel_speed_reports_live_pairs_blocks_and_where_the_mask_is_built(smal
     outside the timed calls, and whether the compiled kernel ran (never off CUDA)."""
     _, lines = small_run
     speed = by_name(lines, "kernel_speed")
-    assert {(s["pattern"], s["window"]) for s in speed} == {(p, w) for p in ("dar", "swa", "dilated") for w in (128, 256)}
+    assert {(s["pattern"], s["window"]) for s in speed} == {
+        (p, w) for p in ("dar", "swa", "dilated") for w in (128, 256)
+    }
     for s in speed:
         T, w = s["shape"]["T"], s["window"]
         causal = T * (T + 1) / 2
@@ -146,6 +148,8 @@ def test_the_gradient_checks_run_where_the_kernel_has_a_backward(monkeypatch, ca
     checks = by_name(lines, "kernel_check")
     assert len(checks) == 6
     for check in checks:
-        expected = {"out", "grad_q", "grad_k", "grad_v"} | ({"grad_k_far", "grad_v_far"} if check["pattern"] == "dar" else set())
+        expected = {"out", "grad_q", "grad_k", "grad_v"} | (
+            {"grad_k_far", "grad_v_far"} if check["pattern"] == "dar" else set()
+        )
         assert check["gradients"] and set(check["errors"]) == expected and check["passed"]
         assert all(0 < err["rel_norm"] <= gpu.TOLERANCE["rel_norm"] for err in check["errors"].values())

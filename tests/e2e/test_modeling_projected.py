@@ -158,7 +158,7 @@ def test_generation_caches_projected_keys(name):
     attach_projections(model, random_projections(model), 2)
     prompt = ids(n=1, t=6)
     out = model.generate(prompt, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
-                         pad_token_id=0)  # fmt: skip
+                         pad_token_id=0)
     cache = out.past_key_values
     assert isinstance(cache, ProjectedCache)
     d = head_dim(model)
@@ -193,7 +193,7 @@ def directories(tmp_path_factory):
     words = "to be or not that is the question whether tis nobler in the mind to suffer".split()
     g = torch.Generator().manual_seed(0)
     docs = [{"id": f"d{i}", "text": " ".join(words[j] for j in torch.randint(0, len(words), (80,), generator=g))}
-            for i in range(3)]  # fmt: skip
+            for i in range(3)]
     write_documents(docs, root / "docs.jsonl")
     out = {}
     for name in ("llama", "ours"):
@@ -204,7 +204,7 @@ def directories(tmp_path_factory):
         model.save_pretrained(base_dir)
         save_projections(random_projections(model), root / f"{name}.safetensors", {"objective": "kl", "seed": 0})
         projected = save_projected_model(root / f"{name}-projected", str(base_dir), root / f"{name}.safetensors",
-                                         num_projected=2, scale="d_prime")  # fmt: skip
+                                         num_projected=2, scale="d_prime")
         out[name] = (base_dir, root / f"{name}.safetensors", projected)
     return out
 
@@ -215,7 +215,7 @@ def test_projected_directory_loads_with_auto_model(directories, name):
 
     base_dir, projections_path, projected = directories[name]
     assert {"config.json", "projections.safetensors", "modeling_projected.py", "configuration_projected.py",
-            "affine.py", "hf.py", "atomic.py", "tokenizer.json"} <= {p.name for p in projected.iterdir()}  # fmt: skip
+            "affine.py", "hf.py", "atomic.py", "tokenizer.json"} <= {p.name for p in projected.iterdir()}
     config = AutoConfig.from_pretrained(projected, trust_remote_code=True)
     loaded = AutoModelForCausalLM.from_pretrained(projected, trust_remote_code=True).eval()
     assert type(config).__name__ == "ProjectedConfig" and type(config).__module__.endswith(".configuration_projected")
@@ -234,10 +234,12 @@ def test_writing_a_projected_directory_needs_no_modeling_stack(directories, tmp_
     import sys
 
     base_dir, projections_path, _ = directories["llama"]
-    code = ("import sys; from dimattn.model.configuration_projected import save_projected_model; "
-            f"save_projected_model({str(tmp_path / 'p')!r}, {str(base_dir)!r}, {str(projections_path)!r}, 2); "
-            "heavy = [m for m in ('transformers.modeling_utils', 'dimattn.model.modeling_projected') if m in sys.modules]; "
-            "assert not heavy, heavy")  # fmt: skip
+    code = (
+        "import sys; from dimattn.model.configuration_projected import save_projected_model; "
+        f"save_projected_model({str(tmp_path / 'p')!r}, {str(base_dir)!r}, {str(projections_path)!r}, 2); "
+        "heavy = [m for m in ('transformers.modeling_utils', 'dimattn.model.modeling_projected') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
     assert (tmp_path / "p" / "modeling_projected.py").is_file()
 
@@ -254,7 +256,7 @@ def test_save_refuses_more_layers_than_the_model_has(directories, tmp_path):
 
 def greedy(model, prompt, steps=6):
     out = model.generate(prompt, max_new_tokens=steps, do_sample=False, return_dict_in_generate=True,
-                         pad_token_id=0)  # fmt: skip
+                         pad_token_id=0)
     return out.sequences, out.past_key_values
 
 
@@ -328,7 +330,7 @@ def test_snapkv_keeps_its_budget_after_the_prefill(monkeypatch):
     assert [layer.keys.shape[-2] for layer in cache.layers] == [12 + 3] * 3
     assert len(calls) == 3  # once a layer, at the prefill
     for layer, before, (queries, keys, settings, scale), width in zip(cache.layers, full.layers, calls,
-                                                                      [16, D_PRIME, D_PRIME]):  # fmt: skip
+                                                                      [16, D_PRIME, D_PRIME]):
         assert queries.shape[-1] == keys.shape[-1] == width  # F(q), F(k) on projected layers
         assert scale == pytest.approx(1 / math.sqrt(width))
         torch.testing.assert_close(keys, before.keys)
@@ -363,13 +365,13 @@ def test_lm_eval_cli_scores_a_projected_tiny_llama_on_our_task_and_ruler(tmp_pat
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Digits(True)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                        model_max_length=4096)  # fmt: skip
+                                        model_max_length=4096)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     tokenizer.save_pretrained(base)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=96,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2))  # fmt: skip
+                                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2))
     model.save_pretrained(base)
     save_projections(random_projections(model), tmp_path / "p.safetensors", {"objective": "kl", "seed": 0})
     projected = save_projected_model(tmp_path / "projected", str(base), tmp_path / "p.safetensors", num_projected=1)
@@ -382,13 +384,33 @@ def test_lm_eval_cli_scores_a_projected_tiny_llama_on_our_task_and_ruler(tmp_pat
 
     # One CLI run for both tasks, as each run pays lm-eval's task index and RULER's word list (about
     # 10 s of CPU); the chat template (the text and a newline) and RULER's metadata reach our task too.
-    out = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "hf", "--model_args",
-                          f"pretrained={projected},trust_remote_code=True", "--tasks", "dimattn_next_line,niah_single_1",
-                          "--include_path", str(Path(__file__).parents[2] / "dimattn/evaluation/lm_eval_tasks"), "--limit", "2",
-                          "--batch_size", "1", "--apply_chat_template", "--metadata",
-                          json.dumps({"max_seq_lengths": [2048]}), "--output_path", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})  # fmt: skip
+    out = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "lm_eval"),
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={projected},trust_remote_code=True",
+            "--tasks",
+            "dimattn_next_line,niah_single_1",
+            "--include_path",
+            str(Path(__file__).parents[2] / "dimattn/evaluation/lm_eval_tasks"),
+            "--limit",
+            "2",
+            "--batch_size",
+            "1",
+            "--apply_chat_template",
+            "--metadata",
+            json.dumps({"max_seq_lengths": [2048]}),
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     assert "dimattn_next_line" in results and 0 <= results["dimattn_next_line"]["acc,none"] <= 1

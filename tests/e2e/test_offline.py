@@ -35,7 +35,7 @@ with SnakemakeApi(OutputSettings()) as api:
 
 def parse(*configfiles, env=None):
     out = subprocess.run([sys.executable, "-c", PARSE, *configfiles], capture_output=True, text=True, cwd=REPO,
-                         env=env, timeout=120, check=True)  # fmt: skip
+                         env=env, timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -44,7 +44,7 @@ def script_rules() -> dict[str, str]:
     rules = {}
     for smk in (REPO / "rules").glob("*.smk"):
         for name, script in re.findall(r"^rule (\w+):\n(?:(?: {4}.*)?\n)*? {8}\"\.\./workflow_scripts/(\w+\.py)\"",
-                                       smk.read_text(), re.M):  # fmt: skip
+                                       smk.read_text(), re.M):
             rules[name] = (REPO / "workflow_scripts" / script).read_text()
     return rules
 
@@ -55,7 +55,7 @@ DOWNLOADS = {"download_sdist", "prefetch", "prepare_documents"}
 @pytest.mark.parametrize("configfiles, downloads", [
     ((), DOWNLOADS),  # config.yaml trains its tokenizer: a compute job
     (("configs/paper.yaml",), DOWNLOADS | {"train_tokenizer"}),  # the Pythia tokenizer from the hub
-])  # fmt: skip
+])
 def test_the_localrules_are_exactly_the_download_rules_and_jobs_are_offline(configfiles, downloads):
     user = {k: v for k, v in os.environ.items() if k not in resources.OFFLINE and k != "DIMATTN_USER_HF_ENV"}
     parsed = parse(*configfiles, env=user)
@@ -90,14 +90,14 @@ LLAMA_REPO = [  # meta-llama/Llama-3.1-8B-Instruct's files
     "model-00004-of-00004.safetensors", "model.safetensors.index.json", "original/consolidated.00.pth",
     "original/params.json", "original/tokenizer.model", "special_tokens_map.json", "tokenizer.json",
     "tokenizer_config.json",
-]  # fmt: skip
+]
 
 
 def test_prefetch_takes_the_safetensors_and_configs_not_the_original_checkpoint():
     kept = set(filter_repo_objects(LLAMA_REPO, allow_patterns=HUB_MODEL_FILES, ignore_patterns=HUB_MODEL_SKIP))
     weights = {f for f in LLAMA_REPO if f.endswith(".safetensors")}
     assert kept == {"config.json", "generation_config.json", "model.safetensors.index.json", "special_tokens_map.json",
-                    "tokenizer.json", "tokenizer_config.json", *weights}  # fmt: skip
+                    "tokenizer.json", "tokenizer_config.json", *weights}
 
 
 def test_the_prefetched_files_are_enough_for_from_pretrained(tmp_path):
@@ -109,7 +109,7 @@ def test_the_prefetched_files_are_enough_for_from_pretrained(tmp_path):
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+                                         num_attention_heads=2, num_key_value_heads=1))
     vocab = {f"t{i}": i for i in range(31)} | {"<unk>": 31}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -165,7 +165,14 @@ def test_presets_pin_every_field_but_the_per_objective_ones():
 
 def test_resolve_settings_precedence():
     st = resolve_settings("simpo", {"preset": "authors"})
-    assert (st.preset, st.lr, st.batch_size, st.gamma, st.pca_fit, st.shuffle) == ("authors", 1e-3, 32, 1.0, "last", False)
+    assert (st.preset, st.lr, st.batch_size, st.gamma, st.pca_fit, st.shuffle) == (
+        "authors",
+        1e-3,
+        32,
+        1.0,
+        "last",
+        False,
+    )
     st = resolve_settings("dimpo", {"lr": 0.5, "k": 8, "per_objective": {"dimpo": {"k": 3}, "kl": {"k": 1}}})
     assert (st.preset, st.lr, st.k, st.lam, st.gamma, st.pca_fit) == ("ours", 0.5, 3, 1.0, 1e-4, "all")
     assert resolve_settings("dimpo_list").k == 0 and resolve_settings(None).k == 64
@@ -257,7 +264,10 @@ def test_dimpo_differs_from_kl_once_k_is_a_share_of_the_list(capture):
     fits = {o: fit_layer(capture[0], o, 4, hp, seed=3, progress=False)[0] for o in ("kl", "dimpo")}
     same = fit_layer(capture[0], "dimpo", 4, hp | {"k": 47}, seed=3, progress=False)[0]
     gap = lambda a, b: float((a.W - b.W).norm() / b.W.norm())  # noqa: E731
-    assert gap(fits["dimpo"], fits["kl"]) > 10 * gap(same, fits["kl"]), (gap(fits["dimpo"], fits["kl"]), gap(same, fits["kl"]))
+    assert gap(fits["dimpo"], fits["kl"]) > 10 * gap(same, fits["kl"]), (
+        gap(fits["dimpo"], fits["kl"]),
+        gap(same, fits["kl"]),
+    )
 
 
 # ---- instances and pairs --------------------------------------------------------------------------
@@ -323,7 +333,7 @@ def test_extreme_pairs_are_argmax_and_argmin_of_raw_scores(capture):
     "hparams,per_instance",
     [({"pair_mode": "all", "num_sampled_keys": 4}, 6), ({"pair_mode": "halves", "num_pairs": 3}, 3),
      ({"pair_mode": "distance", "pair_distance": 8}, 1)],
-)  # fmt: skip
+)
 def test_appendix_b_pair_modes_train(capture, hparams, per_instance):
     st = resolve_settings("orpo", {**hparams, "n_instances": 40})
     inst = build_instances(capture[0], st, torch.Generator().manual_seed(0))
@@ -402,7 +412,7 @@ def test_fit_rejects_unknown_names_and_list_pair_modes(capture):
         fit_layer(capture[0], "dimpo", 4, {**FAST, "pair_mode": "halves"})
     # "all" is what a list objective does anyway: the same fit as the default "extreme".
     same = [fit_layer(capture[0], "dimpo_list", 4, {**FAST, "pair_mode": mode, "num_sampled_keys": 6}, seed=1,
-                      progress=False) for mode in ("extreme", "all")]  # fmt: skip
+                      progress=False) for mode in ("extreme", "all")]
     assert torch.equal(same[0][0].W, same[1][0].W)  # (projection, history)
 
 
@@ -564,7 +574,7 @@ def test_file_steps_end_to_end(tmp_path):
 
     # 3 documents, 5 sequences: first windows of all three, then second windows.
     hparams = {"preset": "authors", "query_stride": 2, "steps": 10, "batch_size": 4, "seed": 3,
-               "per_objective": {"kl": {"lr": 1e-2}}}  # fmt: skip
+               "per_objective": {"kl": {"lr": 1e-2}}}
     meta = capture_to_file(
         tmp_path / "model",
         tmp_path / "docs.jsonl",
@@ -584,9 +594,12 @@ def test_file_steps_end_to_end(tmp_path):
     rows = fidelity_to_file(
         tmp_path / "capture.safetensors", tmp_path / "W.safetensors", tmp_path / "f.csv", "tiny", "kl", 4,
         setting="k=4,lam=0.5",
-    )  # fmt: skip
+    )
     text = (tmp_path / "f.csv").read_text().splitlines()
-    assert text[0] == "model,objective,setting,d_prime,head_dim,seed,layer,kl,mse,kl_inference,mse_inference,top_k,topk_recall"
+    assert (
+        text[0]
+        == "model,objective,setting,d_prime,head_dim,seed,layer,kl,mse,kl_inference,mse_inference,top_k,topk_recall"
+    )
     assert len(text) == 3 and all(line.startswith('tiny,kl,"k=4,lam=0.5",4,8,3,') for line in text[1:])
     assert [r["top_k"] for r in rows] == [1, 1]  # 1/64 of the capture's keys, at least 1
     assert [r["layer"] for r in rows] == [0, 1] and rows[0]["head_dim"] == 8
@@ -620,7 +633,7 @@ def two_layer_capture():
     "objective,hparams",
     [("kl", {}), ("dimpo", {}), ("dimpo", {"causal": True, "shuffle": False}), ("orpo", {}), ("triplet", {}),
      ("dimpo_list", {"num_sampled_keys": 6, "bias": False})],
-)  # fmt: skip
+)
 def test_lockstep_fit_is_each_layer_fitted_alone(objective, hparams):
     """fit_layers steps two layers together (one loss pass, backward and Adam step); each layer's
     map and history are those of fit_layer on that layer alone with its seed. The causal case

@@ -27,7 +27,7 @@ def damaged(src: Path, dest: Path, how: str) -> Path:
     data = src.read_bytes()
     dest.write_bytes({"empty": b"", "binary": b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe",
                       "cut": data[: len(data) - len(data.splitlines()[-1]) // 2 - 1],
-                      "short_row": data + b"1,2\n"}[how])  # fmt: skip
+                      "short_row": data + b"1,2\n"}[how])
     return dest
 
 
@@ -120,12 +120,16 @@ def test_publish_then_verify_and_refuse_damage(finished, summary_dir, tmp_path, 
     dest = published.publish("smoke", work, tmp_path / "published")
     manifest = json.loads((dest / "manifest.json").read_text())
     assert manifest["jobs"] == 2 and manifest["job_seconds"] == 15.5
-    assert manifest["cpu"]["bf16_peak_gflops"] == 123.4 and manifest["config_sha256"] == tiers.config_sha256({"tier": "smoke"})
+    assert manifest["cpu"]["bf16_peak_gflops"] == 123.4 and manifest["config_sha256"] == tiers.config_sha256(
+        {"tier": "smoke"}
+    )
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     assert manifest["commit"] == head
     tables = sorted(p.name for p in (work / paths.TABLES).glob("*.tex"))
     assert tables and sorted(Path(f).name for f in manifest["files"] if f.startswith("tables/")) == tables
-    assert manifest["files"]["summary/dar_perplexity.csv"]["rows"] == summaries.csv_rows(summary_dir / "dar_perplexity.csv")
+    assert manifest["files"]["summary/dar_perplexity.csv"]["rows"] == summaries.csv_rows(
+        summary_dir / "dar_perplexity.csv"
+    )
     assert published.verify(dest) == manifest
     # rendering from the published summaries gives the run's tables byte for byte
     again = outputs.render_existing(dest / "summary", REFERENCE, tmp_path / "again")

@@ -70,13 +70,13 @@ def plan(*files):
 def report_targets(p) -> list[str]:
     """What the Snakefile's rule all asks (rules/report.smk's REPORT_ASKS)."""
     return outputs.targets([p.runs[r].fields for r in p.reported_runs], bool(p.lm_eval_runs), p.dimpo_studies,
-                           longctx=bool(p.longctx_runs))  # fmt: skip
+                           longctx=bool(p.longctx_runs))
 
 
 def job_counts(*configfiles, cwd=REPO) -> dict[str, int]:
     """{rule: jobs} of a dry run (Snakemake's job stats)."""
     out = subprocess.run([*SNAKEMAKE, "-n", "--quiet", "rules", "--configfile", *configfiles], capture_output=True,
-                         text=True, cwd=cwd, timeout=600, env={**os.environ, **resources.OFFLINE})  # fmt: skip
+                         text=True, cwd=cwd, timeout=600, env={**os.environ, **resources.OFFLINE})
     assert out.returncode == 0, out.stderr[-3000:]
     stats = out.stdout + out.stderr
     table = stats[stats.index("job ") : stats.index("total")]
@@ -125,13 +125,13 @@ def hub(tmp_path_factory):
 def _snakemake(work, env, *args, timeout=2400):  # the whole DAG took 16 min on a loaded machine
     # targets before --configfile, whose list would take them as config files
     out = subprocess.run([*SNAKEMAKE, "--directory", str(work), *args, *CONFIGS], capture_output=True, text=True,
-                         cwd=work, env=env, timeout=timeout)  # fmt: skip
+                         cwd=work, env=env, timeout=timeout)
     return out.stdout + out.stderr, out.returncode
 
 
 def _fail(what, text, work):
     logs = "".join(f"\n== {p}\n{p.read_text(errors='replace')[-2500:]}" for p in sorted((work / "logs").rglob("*.log"))
-                   if re.search(r"Error|Traceback", p.read_text(errors="replace")))  # fmt: skip
+                   if re.search(r"Error|Traceback", p.read_text(errors="replace")))
     pytest.fail(f"{what} failed:\n{text[-5000:]}\n{logs[-15000:]}")
 
 
@@ -144,8 +144,11 @@ def rehearsal(hub, tmp_path_factory, request):
     env = {**user, "HF_ENDPOINT": hub["url"], "HF_HOME": str(work / "hf"), "NLTK_DATA": str(hub["root"] / "nltk_data")}
     p = plan("configs/paper.yaml", "configs/rehearsal.yaml")
     first = [paths.tokens(d, s) for d in ("pile",) for s in paths.SPLITS] + [paths.tokens("booksum", "test"),
-             paths.prefetched()]  # fmt: skip
-    slurm_targets = [paths.latency(LATENCY_MODEL), *(paths.perplexity(TWO_PROCESS_RUN, d) for d in p.perplexity_datasets)]
+             paths.prefetched()]
+    slurm_targets = [
+        paths.latency(LATENCY_MODEL),
+        *(paths.perplexity(TWO_PROCESS_RUN, d) for d in p.perplexity_datasets),
+    ]
     t0 = time.perf_counter()
     walls = {}
     text, rc = _snakemake(work, env, "--cores", "2", *first)
@@ -161,7 +164,7 @@ def rehearsal(hub, tmp_path_factory, request):
         cluster["roots"].append(work)
         t1 = time.perf_counter()
         proc = subprocess.Popen([*SNAKEMAKE, "--directory", str(work), *PROFILES, *slurm_targets, *CONFIGS],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=work)  # fmt: skip
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=work)
         try:
             text = proc.communicate(timeout=600)[0]
         except subprocess.TimeoutExpired:
@@ -180,10 +183,12 @@ def rehearsal(hub, tmp_path_factory, request):
         _fail("the rehearsal", text, work)
     again, rc = _snakemake(work, env, "-n")
     wall = time.perf_counter() - t0
-    print(f"\nrehearsal wall time: {wall:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in walls.items())}); "
-          f"SLURM jobs: {', '.join(f'{jid} ({rule_of(log)})' for _, jid, log in slurm['submitted']) or slurm['skipped']}")
+    print(
+        f"\nrehearsal wall time: {wall:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in walls.items())}); "
+        f"SLURM jobs: {', '.join(f'{jid} ({rule_of(log)})' for _, jid, log in slurm['submitted']) or slurm['skipped']}"
+    )
     return {"work": work, "plan": p, "again": again, "again_rc": rc, "slurm": slurm,
-            "requests": [json.loads(line) for line in hub["log"].read_text().splitlines()]}  # fmt: skip
+            "requests": [json.loads(line) for line in hub["log"].read_text().splitlines()]}
 
 
 @pytest.mark.rehearsal

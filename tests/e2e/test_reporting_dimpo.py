@@ -69,7 +69,7 @@ def test_dimpo_figure_has_kl_mse_and_the_top_k_share_beside_the_paper(rendered, 
     axes = saved[0].axes
     assert [ax.get_title().split("\n")[0] for ax in axes[:3]] == [
         "KL divergence of attention weights", "MSE of attention outputs",
-        "Top-k keys kept (k = 4, 1/64 of the keys; higher is better)"]  # fmt: skip
+        "Top-k keys kept (k = 4, 1/64 of the keys; higher is better)"]
     assert axes[3].get_title().startswith("KL divergence") and "paper" in axes[3].get_title()
     assert not axes[5].get_visible()
     table1 = fid[(fid["study"] == "table1") & (fid["setting"] == "default")]
@@ -152,7 +152,7 @@ def test_pairs_figure_names_a_setting_without_its_x(tmp_path):
     summary = tmp_path / "summary"
     csvs = write_fidelity_csvs(tmp_path, setting="pair_mode=all", objectives=["dimpo"], d_primes=[4])
     summaries.summarize_fidelity(csvs, summary_path(summary, "dimpo_fidelity"),
-                                 studies={str(p): [["figure4a", 0]] for p in csvs})  # fmt: skip
+                                 studies={str(p): [["figure4a", 0]] for p in csvs})
     with pytest.raises(ValueError, match=r"figure4a: setting\(s\) \['pair_mode=all'\] do not set num_sampled_keys"):
         outputs.render(["figures/dimpo_pairs.png"], summary, REFERENCE, tmp_path)
 

@@ -153,7 +153,9 @@ def test_replicates_count_once():
     runs = [VANILLA, run("dar", window=16, d_down=8), run("dar", window=16, d_down=32), off_main, *replicates]
     assert selection.main_window(runs) == 16  # two settings at w = 16, one (of three runs) at w = 4
     assert "tables/dar_scales.tex" not in wanted(runs)  # d/4 only off the main window
-    assert wanted([fields(s) for s in replicated()], True, ALL_STUDIES) == wanted([fields(s) for s in FULL], True, ALL_STUDIES)
+    assert wanted([fields(s) for s in replicated()], True, ALL_STUDIES) == wanted(
+        [fields(s) for s in FULL], True, ALL_STUDIES
+    )
 
 
 def test_wanted_summaries():
@@ -229,7 +231,11 @@ def test_without_recall_runs_nothing_recall_is_rendered(tmp_path):
     summary = write_full_summaries(tmp_path, runs=text_only)
     names = {str(p.relative_to(tmp_path / "results"))
              for p in outputs.render_existing(summary, REFERENCE, tmp_path / "results")}
-    assert names == TEXT_OUTPUTS | FRONTIER | {"tables/dar_scales.tex", "tables/dar_downstream.tex", "tables/lm_eval.tex"}
+    assert names == TEXT_OUTPUTS | FRONTIER | {
+        "tables/dar_scales.tex",
+        "tables/dar_downstream.tex",
+        "tables/lm_eval.tex",
+    }
     assert outputs.wanted([fields(s) for s in text_only], lm_eval=True, dimpo=()) == sorted(
         names, key=list(outputs.OUTPUTS).index)
 

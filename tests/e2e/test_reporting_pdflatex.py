@@ -86,7 +86,7 @@ def _compile(tex: str, workdir: Path) -> str:
     )
     for _ in range(2):
         out = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "paper.tex"], cwd=workdir,
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+                             capture_output=True, text=True, timeout=120)
     log = (workdir / "paper.log").read_text(errors="replace")
     assert out.returncode == 0, log[-3000:]
     return log
@@ -113,7 +113,9 @@ def test_no_table_is_shrunk_by_more_than_a_quarter(tables, name, tmp_path):
     log = _compile(tex.replace(latex.FIT, "{%"), tmp_path)
     overfull = [float(pt) for pt in re.findall(r"Overfull \\hbox \(([\d.]+)pt too wide\)", log)]
     widest = TEXT_WIDTH_PT + max(overfull, default=0.0)
-    assert TEXT_WIDTH_PT / widest >= 1 - MAX_SHRINK, f"{name}: {widest:.0f} pt wide, shrunk to {TEXT_WIDTH_PT / widest:.2f}"
+    assert (
+        TEXT_WIDTH_PT / widest >= 1 - MAX_SHRINK
+    ), f"{name}: {widest:.0f} pt wide, shrunk to {TEXT_WIDTH_PT / widest:.2f}"
 
 
 def test_labels_and_comments_are_not_escaped(tables):

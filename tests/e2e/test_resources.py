@@ -45,7 +45,7 @@ def test_every_rule_asks_memory_and_runtime_through_the_attempt_scaled_helpers()
     ask past the node (2 x 256 GB a node for the 2-node pretraining)."""
     helpers = r"(scaled\(\d+, \"(mem_mb|runtime)\"\)|(run|capture|fit|dimpo)_resource\(\"(mem_mb|runtime)\"\)|score_resource\(\"\w+\", \"(mem_mb|runtime)\"\))"
     asks = [(f.name, line.strip()) for f in RULE_FILES for line in f.read_text().splitlines()
-            if re.match(r"\s+(mem_mb|runtime)=", line)]  # fmt: skip
+            if re.match(r"\s+(mem_mb|runtime)=", line)]
     assert len(asks) > 40
     assert [a for a in asks if not re.fullmatch(rf"(mem_mb|runtime)={helpers},", a[1])] == []
 
@@ -79,20 +79,24 @@ def test_a_fit_asks_one_layer_of_its_capture_and_time_that_follows_its_steps():
     assert ask(n=20)["mem_mb"] - cluster["overhead_mb"]["cuda"] == 2 * 3 * 960
     # batch 1 (the authors'): 32 layers x 10 * 4096 steps of step_ms dominate on a GPU
     steps_min = 32 * 10 * 4096 * cluster["step_ms"]["cuda"] / 1000 / 60
-    assert steps_min * cluster["margin"] < ask()["runtime"] < 1.2 * steps_min * cluster["margin"] + cluster["startup_min"]
+    assert (
+        steps_min * cluster["margin"] < ask()["runtime"] < 1.2 * steps_min * cluster["margin"] + cluster["startup_min"]
+    )
     assert ask(hp=hparams | {"batch_size": 64})["runtime"] < ask()["runtime"] / 4
     assert ask(device="cpu", d_prime=64)["runtime"] > ask(device="cpu", d_prime=1)["runtime"]  # FLOPs grow with d'
     # a job fits every dimpo.seeds seed in turn: three times the fitting, one start-up
     three = resources.fit(LLAMA_8B, 10, 10, 4096, 64, hparams, FLOORS, "cuda", cluster, seeds=3)
     assert three["mem_mb"] == ask()["mem_mb"]
-    assert three["runtime"] - cluster["startup_min"] == pytest.approx(3 * (ask()["runtime"] - cluster["startup_min"]), abs=3)
+    assert three["runtime"] - cluster["startup_min"] == pytest.approx(
+        3 * (ask()["runtime"] - cluster["startup_min"]), abs=3
+    )
     assert resources.fit(None, 10, 10, 4096, 64, hparams, p.dimpo["resources"], "cuda", cluster) == {
         k: p.dimpo["resources"][k] for k in ("mem_mb", "runtime")}  # shape unknown (no prefetch yet): the floor
 
 
 def test_a_first_attempt_beyond_the_node_is_refused_naming_the_key():
     with pytest.raises(resources.ResourceError, match=r"config key pretraining\.scales\.pythia-1b\.resources\.mem_mb: "
-                                                      r".*256000.*cluster\.node_mem_mb=200000"):  # fmt: skip
+                                                      r".*256000.*cluster\.node_mem_mb=200000"):
         resources.first_attempts(plan(REPO / "configs/paper.yaml", {"cluster": {"node_mem_mb": 200000}}))
     with pytest.raises(resources.ResourceError, match=r"config key dimpo\.resources\.runtime .*node_runtime_min=100"):
         resources.first_attempts(plan({"cluster": {"node_runtime_min": 100}, "dimpo": {"resources": {"runtime": 120}}}))
@@ -101,7 +105,7 @@ def test_a_first_attempt_beyond_the_node_is_refused_naming_the_key():
 def test_snakemake_refuses_it_at_planning(tmp_path):
     (tmp_path / "small_node.yaml").write_text(yaml.safe_dump({"cluster": {"node_mem_mb": 1500}}))
     out = subprocess.run([*SNAKEMAKE, "-n", "--configfile", str(tmp_path / "small_node.yaml")], capture_output=True,
-                         text=True, cwd=REPO, timeout=120)  # fmt: skip
+                         text=True, cwd=REPO, timeout=120)
     assert out.returncode != 0
     message = "config key pretraining.scales.tiny.resources.mem_mb: the first attempt asks mem_mb=2000"
     assert message in out.stdout + out.stderr
@@ -111,7 +115,7 @@ def test_a_node_smaller_than_a_rule_s_own_ask_is_refused_at_planning(tmp_path):
     small = {"cluster": {"node_mem_mb": 7000}, "dimpo": {"resources": {"mem_mb": 2000}}}
     (tmp_path / "small_node.yaml").write_text(yaml.safe_dump(small))
     out = subprocess.run([*SNAKEMAKE, "-n", "--configfile", str(tmp_path / "small_node.yaml")], capture_output=True,
-                         text=True, cwd=REPO, timeout=120)  # fmt: skip
+                         text=True, cwd=REPO, timeout=120)
     assert out.returncode != 0
     assert "config key cluster.node_mem_mb: the first attempt asks mem_mb=8000" in out.stdout + out.stderr
 
@@ -143,7 +147,7 @@ def test_pretrain_estimate_covers_the_measured_runs(run):
 LLAMA_31_8B = {  # meta-llama/Llama-3.1-8B-Instruct's config.json, the keys read
     "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
     "head_dim": 128, "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False,
-}  # fmt: skip
+}
 
 
 def fake_hub_cache(root: Path, repo: str, config_json: dict) -> Path:
@@ -210,7 +214,7 @@ def test_a_scoring_job_beyond_the_node_is_refused_naming_its_key(monkeypatch):
     p = plan(REPO / "configs/paper.yaml")
     node = p.config["cluster"] | {"node_runtime_min": 900}  # above every floor, below RULER's 963 minutes
     with pytest.raises(resources.ResourceError, match=r"config key dimpo\.downstream \(the scoring of "
-                                                      r"llama-3\.1-8b-instruct\): .*runtime=963"):  # fmt: skip
+                                                      r"llama-3\.1-8b-instruct\): .*runtime=963"):
         resources.scoring(p, 50304, "cuda", node)
 
 
@@ -260,7 +264,7 @@ def test_a_scale_s_threads_reach_slurm_as_cpus_per_task(tmp_path):
     targets = [str(paths.model(run)) for run in p.runs]
     out = subprocess.run([*SNAKEMAKE, *targets, "-n", "--cores", "256", "--profile", str(tmp_path / "slurm"),
                           "--configfile", "configs/paper.yaml"], capture_output=True, text=True, cwd=REPO, timeout=300,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     job = r"^rule pretrain:\n(?:    .*\n)*?    wildcards: run=(\S+)\n(?:    .*\n)*?    resources: (.*)"
     jobs = re.findall(job, out.stdout + out.stderr, re.M)

@@ -34,7 +34,7 @@ def run_dir(tmp_path_factory):
     assert {"local_files_only", "is_local"} <= set(tokenizer.init_kwargs)  # what loading records
     torch.manual_seed(0)
     model = DimAttnForCausalLM(DimAttnConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, max_position_embeddings=64))  # fmt: skip
+                                             num_attention_heads=2, max_position_embeddings=64))
     _export(model, tokenizer, TrainConfig(seq_len=16, batch_size=2, max_steps=1), [], root / "run", "float32")
     assert {"local_files_only", "is_local"} <= set(tokenizer.init_kwargs)  # the object keeps them
     return root / "run"
@@ -63,7 +63,7 @@ LOADS = {
     "trust_remote_code, tokenizer class": "type(AutoModelForCausalLM.from_pretrained({dir!r}, trust_remote_code=True)"
                                           ").__name__, len(AutoTokenizer.from_pretrained({dir!r}, trust_remote_code="
                                           "True)), len(PreTrainedTokenizerFast.from_pretrained({dir!r}))",
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("load", LOADS.values(), ids=LOADS.keys())
@@ -75,7 +75,7 @@ def test_tokenizer_loads_with_a_terminal_attached_and_no_question(run_dir, load)
     # the plain load waits out transformers' 15 s prompt timeout: 25 s tells a fix from that wait
     command = f"timeout {25 if load == PLAIN else 60} {sys.executable} -c \"{code}\""
     out = subprocess.run(["script", "-qc", command, "/dev/null"], stdin=subprocess.DEVNULL, capture_output=True,
-                         text=True, env=ENV, cwd=run_dir.parent, timeout=120)  # fmt: skip
+                         text=True, env=ENV, cwd=run_dir.parent, timeout=120)
     text = out.stdout + out.stderr
     assert "LOADED" in text, text[-2000:]
     if load != PLAIN:

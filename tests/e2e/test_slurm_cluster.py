@@ -43,7 +43,7 @@ TARGETS = [paths.summary("recall"), paths.summary("dar_trajectory")]
 def _checksums(work: Path) -> dict[str, str]:
     """sha256 of the key outputs: the model's weights and metrics, the recall probe, the summaries."""
     files = [Path(paths.model(RUN)) / "model.safetensors", Path(paths.model(RUN)) / "metrics.csv",
-             Path(paths.recall(RUN, "recall")), *(Path(t) for t in TARGETS)]  # fmt: skip
+             Path(paths.recall(RUN, "recall")), *(Path(t) for t in TARGETS)]
     return {str(f): hashlib.sha256((work / f).read_bytes()).hexdigest() for f in files}
 
 
@@ -61,7 +61,7 @@ def reference_run(tmp_path_factory):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     with open(work / "snakemake.out", "w") as sink:
         proc = subprocess.Popen([*SNAKEMAKE, "--directory", str(work), "--cores", "2", *CONFIG_ARGS, *TARGETS],
-                                stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=work)  # fmt: skip
+                                stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=work)
     yield proc, work
     if proc.poll() is None:
         proc.kill()
@@ -101,7 +101,9 @@ def slurm_run(reference_run, cluster, tmp_path_factory):  # the reference starts
                     proc.wait(timeout=60)
                     break
                 if cancelled is None and checkpoint.exists():
-                    pretrain = [jid for _, jid, log in SUBMITTED.findall(output.read_text()) if rule_of(log) == "pretrain"]
+                    pretrain = [
+                        jid for _, jid, log in SUBMITTED.findall(output.read_text()) if rule_of(log) == "pretrain"
+                    ]
                     if pretrain:
                         slurm("scancel", pretrain[-1])
                         cancelled = pretrain[-1]
@@ -119,15 +121,17 @@ def slurm_run(reference_run, cluster, tmp_path_factory):  # the reference starts
     print(f"\nSLURM run wall time: {wall:.0f} s; SLURM job ids: "
           + ", ".join(f"{jid} ({rule_of(log)}: {job_states.get(jid, '?')})"
                       for _, jid, log in submitted)
-          + f"; scancelled: {cancelled}; the retry resumed at step {resumed}")  # fmt: skip
+          + f"; scancelled: {cancelled}; the retry resumed at step {resumed}")
     if proc.returncode != 0:
         slurm_logs = "".join(f"\n== {p}\n{p.read_text(errors='replace')[-2000:]}"
-                             for p in sorted((work / ".snakemake" / "slurm_logs").rglob("*.log")))  # fmt: skip
-        logs = "".join(f"\n== {p}\n{p.read_text(errors='replace')[-2000:]}" for p in sorted((work / "logs").rglob("*.log")))
+                             for p in sorted((work / ".snakemake" / "slurm_logs").rglob("*.log")))
+        logs = "".join(
+            f"\n== {p}\n{p.read_text(errors='replace')[-2000:]}" for p in sorted((work / "logs").rglob("*.log"))
+        )
         pytest.fail(f"SLURM run failed ({proc.returncode}):\n{text[-6000:]}\n{logs[-6000:]}\n{slurm_logs[-6000:]}"
                     f"{cluster_logs(cluster['state'])}")
     return {"work": work, "text": text, "submitted": submitted, "states": job_states, "cancelled": cancelled,
-            "resumed": resumed, "wall": wall}  # fmt: skip
+            "resumed": resumed, "wall": wall}
 
 
 # --- the tests ------------------------------------------------------------------------------
@@ -180,7 +184,9 @@ def test_jobs_ran_on_the_cluster(slurm_run):
     done = [jid for _, jid, _ in slurm_run["submitted"] if jid != slurm_run["cancelled"]]
     assert all(slurm_run["states"].get(jid) == "COMPLETED" for jid in done), slurm_run["states"]
     log = (slurm_run["work"] / paths.log("pretrain", RUN)).read_text()
-    assert re.search(r"launching: .*torch\.distributed\.run --nproc-per-node=2 --standalone -m dimattn\.pretraining\.training", log), log[-2000:]
+    assert re.search(
+        r"launching: .*torch\.distributed\.run --nproc-per-node=2 --standalone -m dimattn\.pretraining\.training", log
+    ), log[-2000:]
 
 
 def test_scancelled_pretraining_resumes_from_its_checkpoint(slurm_run):

@@ -53,9 +53,14 @@ def peak_mib(tmp_path: Path, layers: int, budget="default") -> tuple[float, floa
         capture = {layer: {part: torch.randn(N, H, T, D, generator=g) for part in "qkv"} for layer in range(layers)}
         save_capture(capture, tmp_path / f"l{layers}.safetensors", {"model": "m"})
         del capture
-    run = subprocess.run([sys.executable, "-c", JOB, str(tmp_path / f"l{layers}.safetensors"), str(out), str(budget)],
-                         capture_output=True,
-                         text=True, timeout=300, cwd=REPO, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", JOB, str(tmp_path / f"l{layers}.safetensors"), str(out), str(budget)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert len((out / "f.csv").read_text().splitlines()) == layers + 1
     record = json.loads(run.stdout.splitlines()[-1])
@@ -65,7 +70,9 @@ def peak_mib(tmp_path: Path, layers: int, budget="default") -> tuple[float, floa
 def test_a_fit_job_holds_one_lockstep_group_of_its_capture_at_a_time(tmp_path):
     (one, base), (many, _) = peak_mib(tmp_path, 1, LAYER_BYTES), peak_mib(tmp_path, LAYERS, LAYER_BYTES)
     layer = LAYER_BYTES / 2**20
-    assert many - one < layer, f"peak {many:.0f} MiB over {LAYERS} layers, {one:.0f} MiB over 1 ({layer:.0f} MiB a layer)"
+    assert (
+        many - one < layer
+    ), f"peak {many:.0f} MiB over {LAYERS} layers, {one:.0f} MiB over 1 ({layer:.0f} MiB a layer)"
     # what dimattn.workflow.resources.fit asks beyond a process's overhead_mb covers the work measured here
     assert many - base <= resources.FIT_LAYER_COPIES * layer, (many, base, layer)
     group = resources.fit_group(LAYER_BYTES, LAYERS)

@@ -27,7 +27,7 @@ def text_branch(config):
     base every bad-config case mutates, so that each adds the suite where it tests the suite."""
     c = copy.deepcopy(config)
     c["dimpo"]["models"] = [{k: v for k, v in m.items() if k != "num_projected"}
-                            for m in c["dimpo"]["models"] if m["run"] != "long-vanilla"]  # fmt: skip
+                            for m in c["dimpo"]["models"] if m["run"] != "long-vanilla"]
     for name in ("longctx", "longctx_x2"):
         c["datasets"].pop(name)
     c["pretraining"]["scales"].pop("long")
@@ -138,8 +138,11 @@ def hf_dataset(splits):
 THREE = {"train": {"split": "train"}, "validation": {"split": "validation"}, "test": {"split": "test"}}
 
 TABLE6 = {"objectives": ["dimpo"], "d_prime": [4]}
-LONG_SCALE = {"dataset": "longctx", "architecture": {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 2},
-              "training": {"seq_len": 128, "batch_size": 8, "max_steps": 10}}  # fmt: skip
+LONG_SCALE = {
+    "dataset": "longctx",
+    "architecture": {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 2},
+    "training": {"seq_len": 128, "batch_size": 8, "max_steps": 10},
+}
 
 
 def with_long(c, x2=True):
@@ -154,22 +157,37 @@ def with_long(c, x2=True):
 
 BAD = {
     # a Hugging Face corpus's split ranges, as dimattn.data.corpora reads them
-    "hf splits overlap": (hf_dataset(THREE | {"test": {"split": "train", "start": 100, "stop": 200}}),
-                          "datasets.booksum.splits.test: splits 'train' and 'test' overlap"),
-    "hf split empty range": (hf_dataset(THREE | {"test": {"split": "test", "start": 5, "stop": 5}}),
-                             "datasets.booksum.splits.test: split 'test': need ints 0 <= start < stop"),
+    "hf splits overlap": (
+        hf_dataset(THREE | {"test": {"split": "train", "start": 100, "stop": 200}}),
+        "datasets.booksum.splits.test: splits 'train' and 'test' overlap",
+    ),
+    "hf split empty range": (
+        hf_dataset(THREE | {"test": {"split": "test", "start": 5, "stop": 5}}),
+        "datasets.booksum.splits.test: split 'test': need ints 0 <= start < stop",
+    ),
     # lm-eval tasks that execute the model's code need the explicit opt-in
-    "unsafe lm_eval task": (lambda c: c["evaluation"]["lm_eval"]["tasks"].append({"name": "mbpp", "num_fewshot": 3}),
-                            "config key evaluation.lm_eval.allow_unsafe_code: evaluation.lm_eval.tasks[2] 'mbpp'"),
-    "unsafe downstream task": (lambda c: downstream(c, tasks=[{"name": "humaneval"}]), "dimpo.downstream.tasks[0].name"),
+    "unsafe lm_eval task": (
+        lambda c: c["evaluation"]["lm_eval"]["tasks"].append({"name": "mbpp", "num_fewshot": 3}),
+        "config key evaluation.lm_eval.allow_unsafe_code: evaluation.lm_eval.tasks[2] 'mbpp'",
+    ),
+    "unsafe downstream task": (
+        lambda c: downstream(c, tasks=[{"name": "humaneval"}]),
+        "dimpo.downstream.tasks[0].name",
+    ),
     # a task neither our task folder nor lm-eval's registry holds
-    "unknown lm_eval task": (lambda c: c["evaluation"]["lm_eval"]["tasks"].append({"name": "hellaswagg"}),
-                             "evaluation.lm_eval.tasks[2].name: 'hellaswagg' is neither a task of dimattn/evaluation/lm_eval_tasks"),
-    "unknown downstream task": (lambda c: downstream(c, tasks=[{"name": "no_such_task"}]),
-                                "dimpo.downstream.tasks[0].name: 'no_such_task' is neither"),
+    "unknown lm_eval task": (
+        lambda c: c["evaluation"]["lm_eval"]["tasks"].append({"name": "hellaswagg"}),
+        "evaluation.lm_eval.tasks[2].name: 'hellaswagg' is neither a task of dimattn/evaluation/lm_eval_tasks",
+    ),
+    "unknown downstream task": (
+        lambda c: downstream(c, tasks=[{"name": "no_such_task"}]),
+        "dimpo.downstream.tasks[0].name: 'no_such_task' is neither",
+    ),
     # a capture longer than the frozen model's context
-    "capture beyond the context": (lambda c: c["dimpo"]["capture"].update(seq_len=100000),
-                                   "capture.seq_len: 100000 is beyond the"),
+    "capture beyond the context": (
+        lambda c: c["dimpo"]["capture"].update(seq_len=100000),
+        "capture.seq_len: 100000 is beyond the",
+    ),
     "hf split missing": (hf_dataset({"train": {"split": "train"}, "test": {"split": "test"}}), "validation"),
     # schema: types, ranges, unknown keys, required keys
     "unknown variant": (add_sweep({"scale": "tiny", "attention": "sparse"}), "sparse"),
@@ -189,47 +207,74 @@ BAD = {
     "vanilla with window": (add_sweep({"scale": "tiny", "attention": "vanilla", "window": 8}), f"{NEXT}.window"),
     "d_down > hidden_size": (add_sweep({"scale": "tiny", "attention": "uniform", "d_down": 256}), f"{NEXT}.d_down"),
     "swa with window 0": (add_sweep({"scale": "tiny", "attention": "swa", "window": 0}), f"{NEXT}.window"),
-    "layer out of range": (add_sweep({"scale": "tiny", "attention": "dar", "window": 8, "d_down": 32,
-                                      "attention_layers": [7]}), f"{NEXT}.attention_layers"),
+    "layer out of range": (
+        add_sweep({"scale": "tiny", "attention": "dar", "window": 8, "d_down": 32, "attention_layers": [7]}),
+        f"{NEXT}.attention_layers",
+    ),
     "duplicate run": (add_sweep({"scale": "tiny", "attention": "vanilla"}), "already defined"),
     "unknown dataset": (lambda c: c["pretraining"].update(dataset="pile"), "pretraining.dataset"),
-    "unknown scale dataset": (lambda c: c["pretraining"]["scales"]["tiny"].update(dataset="pile"),
-                              "pretraining.scales.tiny.dataset"),
+    "unknown scale dataset": (
+        lambda c: c["pretraining"]["scales"]["tiny"].update(dataset="pile"),
+        "pretraining.scales.tiny.dataset",
+    ),
     "unknown scale": (add_sweep({"scale": "huge", "attention": "vanilla"}), f"{NEXT}.scale"),
-    "heads do not divide": (lambda c: c["pretraining"]["scales"]["tiny"]["architecture"].update(num_attention_heads=3),
-                            "pretraining.scales.tiny.architecture.hidden_size"),
-    "recall seq_len mismatch": (lambda c: c["pretraining"]["scales"]["recall"]["training"].update(seq_len=32),
-                                "pretraining.scales.recall.training.seq_len"),
-    "synthetic perplexity": (lambda c: c["evaluation"]["perplexity"]["datasets"].append("recall"),
-                             "evaluation.perplexity.datasets"),
-    "unknown lm_eval scale": (lambda c: c["evaluation"]["lm_eval"].update(scales=["huge"]), "evaluation.lm_eval.scales"),
-    "synthetic lm_eval tasks": (lambda c: c["evaluation"]["lm_eval"].update(write_tasks_from="recall"),
-                                "evaluation.lm_eval.write_tasks_from"),
+    "heads do not divide": (
+        lambda c: c["pretraining"]["scales"]["tiny"]["architecture"].update(num_attention_heads=3),
+        "pretraining.scales.tiny.architecture.hidden_size",
+    ),
+    "recall seq_len mismatch": (
+        lambda c: c["pretraining"]["scales"]["recall"]["training"].update(seq_len=32),
+        "pretraining.scales.recall.training.seq_len",
+    ),
+    "synthetic perplexity": (
+        lambda c: c["evaluation"]["perplexity"]["datasets"].append("recall"),
+        "evaluation.perplexity.datasets",
+    ),
+    "unknown lm_eval scale": (
+        lambda c: c["evaluation"]["lm_eval"].update(scales=["huge"]),
+        "evaluation.lm_eval.scales",
+    ),
+    "synthetic lm_eval tasks": (
+        lambda c: c["evaluation"]["lm_eval"].update(write_tasks_from="recall"),
+        "evaluation.lm_eval.write_tasks_from",
+    ),
     "two tokenizers": (lambda c: c["tokenizer"].update(hub="EleutherAI/pythia-70m"), "tokenizer"),
     "unknown tokenizer corpus": (lambda c: c["tokenizer"].update(train_on="pile"), "tokenizer.train_on"),
-    "dimpo unknown run": (lambda c: c["dimpo"]["models"].append({"name": "x", "run": "tiny-nope"}),
-                          "dimpo.models[1].run"),
-    "dimpo of a sliding-window run": (lambda c: c["dimpo"]["models"].append({"name": "x", "run": "tiny-swa-w32"}),
-                                      "dimpo.models[1].run: DimPO projects a frozen vanilla, dar, uniform model"),
+    "dimpo unknown run": (
+        lambda c: c["dimpo"]["models"].append({"name": "x", "run": "tiny-nope"}),
+        "dimpo.models[1].run",
+    ),
+    "dimpo of a sliding-window run": (
+        lambda c: c["dimpo"]["models"].append({"name": "x", "run": "tiny-swa-w32"}),
+        "dimpo.models[1].run: DimPO projects a frozen vanilla, dar, uniform model",
+    ),
     "dimpo d_prime > head_dim": (lambda c: c["dimpo"].update(d_prime=[2, 64]), "dimpo.d_prime"),
     "dimpo unknown dataset": (lambda c: c["dimpo"].update(dataset="pile"), "dimpo.dataset"),
     "dimpo without d_prime": (lambda c: c["dimpo"].update(d_prime=[]), "dimpo.d_prime"),
     "dimpo unknown fit setting": (lambda c: c["dimpo"]["hparams"].update(temperature=2), "temperature"),
     "dimpo setting of the wrong type": (lambda c: c["dimpo"]["hparams"].update(lr="fast"), "fast"),
-    "ablation unknown study": (lambda c: c["dimpo"]["ablations"].update(table7=c["dimpo"]["ablations"]["quirks"]),
-                               "table7"),
+    "ablation unknown study": (
+        lambda c: c["dimpo"]["ablations"].update(table7=c["dimpo"]["ablations"]["quirks"]),
+        "table7",
+    ),
     "ablation unknown setting": (lambda c: c["dimpo"]["ablations"]["quirks"]["settings"].append({"tau": 1}), "tau"),
-    "ablation unknown preset": (lambda c: c["dimpo"]["ablations"]["quirks"]["settings"].append({"preset": "mine"}),
-                                "mine"),
+    "ablation unknown preset": (
+        lambda c: c["dimpo"]["ablations"]["quirks"]["settings"].append({"preset": "mine"}),
+        "mine",
+    ),
     "ablation without settings": (lambda c: c["dimpo"]["ablations"]["quirks"].pop("settings"), "settings"),
     "ablation capture setting": (
         lambda c: c["dimpo"]["ablations"]["quirks"]["settings"].append({"capture_dtype": "bfloat16"}),
-        "dimpo.ablations.quirks.settings[12]"),
+        "dimpo.ablations.quirks.settings[12]",
+    ),
     "ablation repeated setting": (
         lambda c: c["dimpo"]["ablations"]["quirks"]["settings"].append({"preset": "authors", "causal": True}),
-        "dimpo.ablations.quirks.settings[12]: repeats settings[1]"),
-    "ablation d_prime > head_dim": (lambda c: c["dimpo"]["ablations"]["quirks"].update(d_prime=[64]),
-                                    "dimpo.ablations.quirks.d_prime"),
+        "dimpo.ablations.quirks.settings[12]: repeats settings[1]",
+    ),
+    "ablation d_prime > head_dim": (
+        lambda c: c["dimpo"]["ablations"]["quirks"].update(d_prime=[64]),
+        "dimpo.ablations.quirks.d_prime",
+    ),
     "table 1 repeated setting": (lambda c: c["dimpo"].update(settings=[{}, {}]), "dimpo.settings[1]"),
     "reference_dir missing": (lambda c: c.update(reference_dir="no/such/folder"), "config key reference_dir"),
     "downstream objective not fitted": (lambda c: downstream(c, objectives=["orpo"]), "dimpo.downstream.objectives"),
@@ -237,116 +282,204 @@ BAD = {
     "downstream without layers": (lambda c: downstream(c, num_projected=[]), "dimpo.downstream.num_projected"),
     "downstream l > layers": (lambda c: downstream(c, num_projected=[2, 5]), "dimpo.downstream.num_projected"),
     "downstream l = 0": (lambda c: downstream(c, num_projected=[0]), "num_projected"),
-    "a model's l > its layers": (lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"num_projected": [3]}),
-                                 "dimpo.models[1].num_projected"),
+    "a model's l > its layers": (
+        lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"num_projected": [3]}),
+        "dimpo.models[1].num_projected",
+    ),
     "recall capture off its examples": (
         lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"capture": {"seq_len": 128}}),
-        "dimpo.models[1].capture.seq_len: 128 is not the example length 64"),
+        "dimpo.models[1].capture.seq_len: 128 is not the example length 64",
+    ),
     "recall capture beyond its split": (
         lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"capture": {"seq_len": 64, "fit_sequences": 257}}),
-        "dimpo.models[1].capture.fit_sequences: 257 exceeds the 256 validation examples"),
+        "dimpo.models[1].capture.fit_sequences: 257 exceeds the 256 validation examples",
+    ),
     "downstream RULER one below its minimum length": (
-        lambda c: downstream(c, tasks=[{"name": "ruler_vt"}], metadata={"max_seq_lengths": [sweeps.RULER_MIN_LENGTH - 1]}),
-        "dimpo.downstream.metadata.max_seq_lengths: RULER tasks (ruler_vt, ...) need lengths of at least 2048"),
+        lambda c: downstream(
+            c, tasks=[{"name": "ruler_vt"}], metadata={"max_seq_lengths": [sweeps.RULER_MIN_LENGTH - 1]}
+        ),
+        "dimpo.downstream.metadata.max_seq_lengths: RULER tasks (ruler_vt, ...) need lengths of at least 2048",
+    ),
     "downstream objective not fitted for a model": (
-        lambda c: (downstream(c, objectives=["kl"], num_projected=[1]),
-                   c["dimpo"]["models"].append(RECALL_MODEL | {"objectives": ["pca"]})),
-        "dimpo.downstream.objectives: 'kl' is not fitted for 'recall-vanilla' (dimpo.models[1].objectives"),
-    "a model's d_prime > its head_dim": (lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"d_prime": [33]}),
-                                         "dimpo.models[1].d_prime: 33 exceeds the head dimension 32"),
+        lambda c: (
+            downstream(c, objectives=["kl"], num_projected=[1]),
+            c["dimpo"]["models"].append(RECALL_MODEL | {"objectives": ["pca"]}),
+        ),
+        "dimpo.downstream.objectives: 'kl' is not fitted for 'recall-vanilla' (dimpo.models[1].objectives",
+    ),
+    "a model's d_prime > its head_dim": (
+        lambda c: c["dimpo"]["models"].append(RECALL_MODEL | {"d_prime": [33]}),
+        "dimpo.models[1].d_prime: 33 exceeds the head dimension 32",
+    ),
     "hub model l > its layers": (
-        lambda c: (downstream(c), c["dimpo"]["models"].append(
-            {"name": "llama", "hub": "meta-llama/Llama-3.2-3B-Instruct", "num_hidden_layers": 28,
-             "num_projected": [2, 32]})),
-        "dimpo.models[1].num_projected: l=32 exceeds the 28 layers of 'meta-llama/Llama-3.2-3B-Instruct'"),
+        lambda c: (
+            downstream(c),
+            c["dimpo"]["models"].append(
+                {
+                    "name": "llama",
+                    "hub": "meta-llama/Llama-3.2-3B-Instruct",
+                    "num_hidden_layers": 28,
+                    "num_projected": [2, 32],
+                }
+            ),
+        ),
+        "dimpo.models[1].num_projected: l=32 exceeds the 28 layers of 'meta-llama/Llama-3.2-3B-Instruct'",
+    ),
     "hub model default l > its layers": (
-        lambda c: (downstream(c, num_projected=[2, 6]), c["dimpo"]["models"].__setitem__(
-            0, {"name": "llama", "hub": "meta-llama/Llama-3.2-3B-Instruct", "num_hidden_layers": 4})),
-        "dimpo.downstream.num_projected: l=6 exceeds the 4 layers"),
-    "layers of one of our runs": (lambda c: c["dimpo"]["models"][0].update(num_hidden_layers=4),
-                                  "dimpo.models[0].num_hidden_layers"),
+        lambda c: (
+            downstream(c, num_projected=[2, 6]),
+            c["dimpo"]["models"].__setitem__(
+                0, {"name": "llama", "hub": "meta-llama/Llama-3.2-3B-Instruct", "num_hidden_layers": 4}
+            ),
+        ),
+        "dimpo.downstream.num_projected: l=6 exceeds the 4 layers",
+    ),
+    "layers of one of our runs": (
+        lambda c: c["dimpo"]["models"][0].update(num_hidden_layers=4),
+        "dimpo.models[0].num_hidden_layers",
+    ),
     "a model's downstream d' not fitted for it": (
-        lambda c: (downstream(c, num_projected=[1]), c["dimpo"]["models"].append(RECALL_MODEL | {"downstream_d_prime": [3]})),
-        "dimpo.models[1].downstream_d_prime: 3 is not fitted for 'recall-vanilla'"),
-    "downstream task d_prime not made": (lambda c: downstream(c, tasks=[{"name": "dimattn_heldout", "d_prime": [8]}]),
-                                         "dimpo.downstream.tasks[0].d_prime: 8 is not among dimpo.downstream.d_prime"),
-    "kv of an unknown model": (lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2}, "models": ["gpt"]}]),
-                               "dimpo.downstream.kv[0].models"),
-    "kv d_prime not made": (lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2}, "d_prime": [2]}]),
-                            "dimpo.downstream.kv[0].d_prime"),
+        lambda c: (
+            downstream(c, num_projected=[1]),
+            c["dimpo"]["models"].append(RECALL_MODEL | {"downstream_d_prime": [3]}),
+        ),
+        "dimpo.models[1].downstream_d_prime: 3 is not fitted for 'recall-vanilla'",
+    ),
+    "downstream task d_prime not made": (
+        lambda c: downstream(c, tasks=[{"name": "dimattn_heldout", "d_prime": [8]}]),
+        "dimpo.downstream.tasks[0].d_prime: 8 is not among dimpo.downstream.d_prime",
+    ),
+    "kv of an unknown model": (
+        lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2}, "models": ["gpt"]}]),
+        "dimpo.downstream.kv[0].models",
+    ),
+    "kv d_prime not made": (
+        lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2}, "d_prime": [2]}]),
+        "dimpo.downstream.kv[0].d_prime",
+    ),
     "table1 study objective not fitted": (
         lambda c: downstream(c, studies=[{"study": "table1", "objectives": ["dimpo_kl"], "num_projected": [2]}]),
-        "dimpo.downstream.studies[0].objectives: 'dimpo_kl' is not fitted for 'tiny-vanilla'"),
+        "dimpo.downstream.studies[0].objectives: 'dimpo_kl' is not fitted for 'tiny-vanilla'",
+    ),
     "table1 study d_prime not fitted": (
         lambda c: downstream(c, studies=[{"study": "table1", "d_prime": [3], "num_projected": [2]}]),
-        "dimpo.downstream.studies[0].d_prime"),
+        "dimpo.downstream.studies[0].d_prime",
+    ),
     "ablation study choosing objectives": (
         lambda c: downstream(c, studies=[{"study": "quirks", "objectives": ["kl"], "num_projected": [2]}]),
-        "dimpo.downstream.studies[0].objectives: only a table1 entry"),
+        "dimpo.downstream.studies[0].objectives: only a table1 entry",
+    ),
     "a downstream study of an ablation whose model is not fitted": (
-        lambda c: (c["dimpo"]["ablations"]["quirks"].update(models=["gone"]),
-                   downstream(c, num_projected=[1], studies=[{"study": "quirks", "num_projected": [1]}])),
-        "dimpo.ablations.quirks.models: 'gone' is not in dimpo.models"),
-    "downstream study unknown": (lambda c: downstream(c, studies=[{"study": "table7", "num_projected": [2]}]),
-                                 "dimpo.downstream.studies[0].study"),
-    "downstream study too deep": (lambda c: downstream(c, studies=[{"study": "quirks", "num_projected": [9]}]),
-                                  "dimpo.downstream.studies[0].num_projected: l=9 exceeds the 4 layers"),
+        lambda c: (
+            c["dimpo"]["ablations"]["quirks"].update(models=["gone"]),
+            downstream(c, num_projected=[1], studies=[{"study": "quirks", "num_projected": [1]}]),
+        ),
+        "dimpo.ablations.quirks.models: 'gone' is not in dimpo.models",
+    ),
+    "downstream study unknown": (
+        lambda c: downstream(c, studies=[{"study": "table7", "num_projected": [2]}]),
+        "dimpo.downstream.studies[0].study",
+    ),
+    "downstream study too deep": (
+        lambda c: downstream(c, studies=[{"study": "quirks", "num_projected": [9]}]),
+        "dimpo.downstream.studies[0].num_projected: l=9 exceeds the 4 layers",
+    ),
     "downstream study of a model it does not fit": (
-        lambda c: (c["dimpo"]["models"].append(RECALL_MODEL), c["dimpo"]["ablations"]["quirks"].update(
-            models=["tiny-vanilla"]), downstream(c, num_projected=[1], studies=[
-                {"study": "quirks", "num_projected": [1], "models": ["recall-vanilla"]}])),
-        "dimpo.downstream.studies[0].models: 'recall-vanilla' is not fitted in 'quirks'"),
-    "ablation of an unknown model": (lambda c: c["dimpo"]["ablations"]["quirks"].update(models=["gpt"]),
-                                     "dimpo.ablations.quirks.models"),
+        lambda c: (
+            c["dimpo"]["models"].append(RECALL_MODEL),
+            c["dimpo"]["ablations"]["quirks"].update(models=["tiny-vanilla"]),
+            downstream(
+                c, num_projected=[1], studies=[{"study": "quirks", "num_projected": [1], "models": ["recall-vanilla"]}]
+            ),
+        ),
+        "dimpo.downstream.studies[0].models: 'recall-vanilla' is not fitted in 'quirks'",
+    ),
+    "ablation of an unknown model": (
+        lambda c: c["dimpo"]["ablations"]["quirks"].update(models=["gpt"]),
+        "dimpo.ablations.quirks.models",
+    ),
     "downstream unknown scale": (lambda c: downstream(c, scale="sqrt"), "sqrt"),
-    "downstream kv taken name": (lambda c: downstream(c, kv=[{"name": "none", "kivi": {"bits": 2}}]),
-                                 "dimpo.downstream.kv[0].name"),
-    "downstream kv repeated name": (lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2}},
-                                                                {"name": "q", "kivi": {"bits": 4}}]),
-                                    "dimpo.downstream.kv[1].name"),
+    "downstream kv taken name": (
+        lambda c: downstream(c, kv=[{"name": "none", "kivi": {"bits": 2}}]),
+        "dimpo.downstream.kv[0].name",
+    ),
+    "downstream kv repeated name": (
+        lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2}}, {"name": "q", "kivi": {"bits": 4}}]),
+        "dimpo.downstream.kv[1].name",
+    ),
     "downstream kivi 3 bits": (lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 3}}]), "3"),
-    "downstream kivi residual": (lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2, "residual": 100}}]),
-                                 "dimpo.downstream.kv[0].kivi.residual"),
-    "downstream snapkv budget": (lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 16}}]),
-                                 "dimpo.downstream.kv[0].snapkv.budget"),
+    "downstream kivi residual": (
+        lambda c: downstream(c, kv=[{"name": "q", "kivi": {"bits": 2, "residual": 100}}]),
+        "dimpo.downstream.kv[0].kivi.residual",
+    ),
+    "downstream snapkv budget": (
+        lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 16}}]),
+        "dimpo.downstream.kv[0].snapkv.budget",
+    ),
     # At the boundary: a budget of the window's size keeps no token besides the window.
-    "downstream snapkv budget = window": (lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 32,
-                                                                                              "window": 32}}]),
-                                          "dimpo.downstream.kv[0].snapkv.budget"),
+    "downstream snapkv budget = window": (
+        lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 32, "window": 32}}]),
+        "dimpo.downstream.kv[0].snapkv.budget",
+    ),
     # DimPO's head over every key of the list is KL plus a constant (tiny-vanilla: 256 keys)
-    "table6 k = every key": (lambda c: c["dimpo"]["ablations"].update(table6=TABLE6 | {"settings": [{"k": 256, "lam": 1}]}),
-                             "dimpo.ablations.table6.settings[0].k: k=256 reaches the 256 keys of 'tiny-vanilla'"),
+    "table6 k = every key": (
+        lambda c: c["dimpo"]["ablations"].update(table6=TABLE6 | {"settings": [{"k": 256, "lam": 1}]}),
+        "dimpo.ablations.table6.settings[0].k: k=256 reaches the 256 keys of 'tiny-vanilla'",
+    ),
     "k_share rounding to every key": (
         lambda c: c["dimpo"]["hparams"]["per_objective"]["dimpo"].update(k_share=0.999),
-        "dimpo.hparams.per_objective.dimpo.k_share: k=256 reaches the 256 keys"),
+        "dimpo.hparams.per_objective.dimpo.k_share: k=256 reaches the 256 keys",
+    ),
     "k of a recall capture": (
-        lambda c: (c["dimpo"]["models"].append(RECALL_MODEL),
-                   c["dimpo"]["ablations"].update(table6=TABLE6 | {"settings": [{"k": 64, "lam": 1}]})),
-        "dimpo.ablations.table6.settings[0].k: k=64 reaches the 64 keys of 'recall-vanilla'"),
-    "k and k_share at once": (lambda c: c["dimpo"]["ablations"].update(
-        table6=TABLE6 | {"settings": [{"k": 4, "k_share": 0.25}]}), "dimpo.ablations.table6.settings[0].k_share"),
+        lambda c: (
+            c["dimpo"]["models"].append(RECALL_MODEL),
+            c["dimpo"]["ablations"].update(table6=TABLE6 | {"settings": [{"k": 64, "lam": 1}]}),
+        ),
+        "dimpo.ablations.table6.settings[0].k: k=64 reaches the 64 keys of 'recall-vanilla'",
+    ),
+    "k and k_share at once": (
+        lambda c: c["dimpo"]["ablations"].update(table6=TABLE6 | {"settings": [{"k": 4, "k_share": 0.25}]}),
+        "dimpo.ablations.table6.settings[0].k_share",
+    ),
     "k_share of 1": (lambda c: c["dimpo"]["hparams"].update(k_share=1), "k_share"),
     # the long-context suite
-    "suite scored on a recall corpus": (lambda c: (with_long(c), c["evaluation"]["longctx"].update(datasets=["recall"])),
-                                        "evaluation.longctx.datasets[0]: 'recall' is not a synthetic_longctx corpus"),
-    "suite scored in another vocabulary": (lambda c: (with_long(c), c["datasets"]["longctx_x2"].update(n_keys=32)),
-                                           "datasets.longctx_x2.n_keys: 32 differs from 'longctx'"),
-    "suite scored in another layout": (lambda c: (with_long(c), c["datasets"]["longctx"].update(question_first=True)),
-                                       "datasets.longctx_x2.question_first: False differs from 'longctx''s True"),
-    "a drill of the whole train split": (lambda c: (with_long(c), c["datasets"]["longctx"].update(drill=1.0)),
-                                         "On instance['datasets']['longctx']['drill']"),
+    "suite scored on a recall corpus": (
+        lambda c: (with_long(c), c["evaluation"]["longctx"].update(datasets=["recall"])),
+        "evaluation.longctx.datasets[0]: 'recall' is not a synthetic_longctx corpus",
+    ),
+    "suite scored in another vocabulary": (
+        lambda c: (with_long(c), c["datasets"]["longctx_x2"].update(n_keys=32)),
+        "datasets.longctx_x2.n_keys: 32 differs from 'longctx'",
+    ),
+    "suite scored in another layout": (
+        lambda c: (with_long(c), c["datasets"]["longctx"].update(question_first=True)),
+        "datasets.longctx_x2.question_first: False differs from 'longctx''s True",
+    ),
+    "a drill of the whole train split": (
+        lambda c: (with_long(c), c["datasets"]["longctx"].update(drill=1.0)),
+        "On instance['datasets']['longctx']['drill']",
+    ),
     "suite run captured off its examples": (
         lambda c: (with_long(c), c["dimpo"]["models"].append({"name": "x", "run": "long-vanilla"})),
-        "dimpo.models[1].capture.seq_len: 256 is not the example length 128 of 'longctx'"),
-    "suite training off its examples": (lambda c: (with_long(c), c["pretraining"]["scales"]["long"]["training"].update(
-        seq_len=256)), "pretraining.scales.long.training.seq_len: 256 must equal datasets.longctx.seq_len=128"),
-    "suite unknown subtask": (lambda c: (with_long(c), c["datasets"]["longctx"].update(subtasks=["passkey"])), "passkey"),
+        "dimpo.models[1].capture.seq_len: 256 is not the example length 128 of 'longctx'",
+    ),
+    "suite training off its examples": (
+        lambda c: (with_long(c), c["pretraining"]["scales"]["long"]["training"].update(seq_len=256)),
+        "pretraining.scales.long.training.seq_len: 256 must equal datasets.longctx.seq_len=128",
+    ),
+    "suite unknown subtask": (
+        lambda c: (with_long(c), c["datasets"]["longctx"].update(subtasks=["passkey"])),
+        "passkey",
+    ),
     "suite scored on subtasks never trained": (
         lambda c: (with_long(c), c["datasets"]["longctx"].update(subtasks=["niah_single", "niah_multikey"])),
         "datasets.longctx_x2.subtasks: asks ['niah_multivalue', 'niah_multiquery', 'vt', 'cwe', 'fwe', 'qa'], which "
-        "run 'long-vanilla' never trains on"),
-    "downstream kv both methods": (lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 64},
-                                                                "kivi": {"bits": 2}}]), "oneOf"),
+        "run 'long-vanilla' never trains on",
+    ),
+    "downstream kv both methods": (
+        lambda c: downstream(c, kv=[{"name": "s", "snapkv": {"budget": 64}, "kivi": {"bits": 2}}]),
+        "oneOf",
+    ),
 }
 
 
@@ -373,7 +506,10 @@ def test_a_long_context_run_is_scored_on_the_suite_alone():
     plan = plan_of(mutated(with_long))
     assert plan.longctx_runs == ["long-vanilla"] and plan.longctx_datasets == ["longctx", "longctx_x2"]
     assert "long-vanilla" not in plan.recall_runs + plan.text_runs + plan.lm_eval_runs + plan.reported_runs
-    assert plan.perplexity_targets("long-vanilla") == [] and plan.longctx_targets("long-vanilla") == ["longctx", "longctx_x2"]
+    assert plan.perplexity_targets("long-vanilla") == [] and plan.longctx_targets("long-vanilla") == [
+        "longctx",
+        "longctx_x2",
+    ]
     assert plan.runs["long-vanilla"].synthetic and plan.is_synthetic("longctx_x2")
     assert plan_of(mutated(lambda c: with_long(c, x2=False))).longctx_targets("long-vanilla") == ["longctx"]
     text = plan_of(TEXT)
@@ -392,7 +528,9 @@ def test_long_context_defaults_are_the_generator_defaults():
     branches = schema["properties"]["datasets"]["additionalProperties"]["allOf"]
     suite = next(b["then"] for b in branches if b["if"]["properties"]["source"]["const"] == "synthetic_longctx")
     defaults = {k: v["default"] for k, v in suite["properties"].items() if "default" in v}
-    generator = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default for f in fields(LongContextSettings)}
+    generator = {
+        f.name: list(f.default) if isinstance(f.default, tuple) else f.default for f in fields(LongContextSettings)
+    }
     assert defaults == {k: v for k, v in generator.items() if k in defaults}
     assert set(defaults) == set(generator) - {"seq_len"}
     assert set(checks.LONGCTX_VOCABULARY) <= set(generator)
@@ -418,7 +556,7 @@ AT_THE_LIMIT = {
                                                         metadata={"max_seq_lengths": [sweeps.RULER_MIN_LENGTH]}),
     "recall capture of its whole split": lambda c: c["dimpo"]["models"].append(
         RECALL_MODEL | {"capture": {"seq_len": 64, "fit_sequences": 256}}),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(AT_THE_LIMIT))
@@ -427,7 +565,9 @@ def test_a_config_at_the_limit_is_planned(case):
 
 
 def test_seeds_expand_into_replicates():
-    config = mutated(add_sweep({"scale": "micro", "attention": "dar", "window": 8, "d_down": [8, 16], "seed": [0, 1, 2]}))
+    config = mutated(
+        add_sweep({"scale": "micro", "attention": "dar", "window": 8, "d_down": [8, 16], "seed": [0, 1, 2]})
+    )
     config["pretraining"]["sweeps"] = [s for s in config["pretraining"]["sweeps"] if s["scale"] != "micro"] + \
         [config["pretraining"]["sweeps"][-1], {"scale": "micro", "attention": "vanilla", "seed": [0, 1]}]
     plan = plan_of(config)
@@ -590,7 +730,7 @@ def test_dimpo_fits_of_table1_and_the_studies():
 
 def test_downstream_plan():
     config = mutated(lambda c: downstream(c, objectives=["kl", "dimpo"], num_projected=[2, 4],
-                                          kv=[{"name": "kivi2", "kivi": {"bits": 2}}]))  # fmt: skip
+                                          kv=[{"name": "kivi2", "kivi": {"bits": 2}}]))
     plan = plan_of(config)
     projected = plan.dimpo_projected
     # tiny-vanilla is scored on perplexity and loglikelihood tasks, which KV compression leaves
@@ -607,7 +747,9 @@ def test_a_missing_reference_csv_is_refused_before_any_job(tmp_path, monkeypatch
     shutil.copytree(REPO / "reference", tmp_path / "reference")
     (tmp_path / "reference" / "dimpo_ablation.csv").unlink()
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(sweeps.ConfigError, match=r"config key reference_dir: reference lacks reference/dimpo_ablation.csv"):
+    with pytest.raises(
+        sweeps.ConfigError, match=r"config key reference_dir: reference lacks reference/dimpo_ablation.csv"
+    ):
         plan_of(DEFAULT)
 
 
@@ -651,7 +793,7 @@ def test_a_dar_model_is_projected_without_kv_compression():
     def add_dar(c):
         downstream(c, objectives=["kl"], num_projected=[1, 2], kv=[{"name": "kivi2", "kivi": {"bits": 2}}])
         c["dimpo"]["models"] += [RECALL_MODEL, {"name": "recall-dar", "run": "recall-dar-w4-d8",
-                                                "capture": {"seq_len": 64}}]  # fmt: skip
+                                                "capture": {"seq_len": 64}}]
 
     plan = plan_of(mutated(add_dar))
     assert {p.kv for p in plan.projected("recall-vanilla")} == {"none", "kivi2"}
@@ -675,7 +817,7 @@ def test_latency_is_measured_on_models_with_a_plain_kv_cache():
         downstream(c, objectives=["kl", "dimpo"], num_projected=[1, 2])
         c["dimpo"]["latency"] = {"prompt": 64}
         c["dimpo"]["models"] += [RECALL_MODEL, {"name": "recall-dar", "run": "recall-dar-w4-d8",
-                                                "capture": {"seq_len": 64}, "num_projected": [1, 2]}]  # fmt: skip
+                                                "capture": {"seq_len": 64}, "num_projected": [1, 2]}]
         c["dimpo"]["ablations"]["quirks"]["models"] = ["tiny-vanilla"]
 
     plan = plan_of(mutated(add))

@@ -145,7 +145,15 @@ def test_ddp_on_two_processes_matches_one_process(corpus, reference, tmp_path):
 def test_launch_command_for_one_node_and_for_several():
     args = ["--spec", "s.json"]
     assert launch_command(args, nproc=4, python="py") == [
-        "py", "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone", "-m", "dimattn.pretraining.training", *args]
+        "py",
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=4",
+        "--standalone",
+        "-m",
+        "dimattn.pretraining.training",
+        *args,
+    ]
     several = launch_command(args, nproc=4, nodes=2, rdzv_host="node1", rdzv_id="run-7", rdzv_port=29507,
                              cpus_per_node=16, python="py")
     srun, torchrun = several[:several.index("py")], several[several.index("py"):]
@@ -164,7 +172,12 @@ def test_kill_9_then_resume_is_bitwise_equal_to_an_uninterrupted_run(corpus, tmp
 
     work = tmp_path / "killed"
     work.mkdir()
-    cmd = [sys.executable, "-m", "dimattn.pretraining.training", *cli_args(corpus, work, write_spec(work / "spec.json", cfg))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dimattn.pretraining.training",
+        *cli_args(corpus, work, write_spec(work / "spec.json", cfg)),
+    ]
     ckpt, metrics = work / "checkpoints/run/checkpoint.pt", work / "checkpoints/run/metrics.csv"
     proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     logged = 0  # metrics rows so far

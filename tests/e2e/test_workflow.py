@@ -170,7 +170,9 @@ def run_smoke(root: Path) -> tuple[Path, float]:
     directory, wall seconds). tests/conftest.py runs it once a session for every test file."""
     work = workdir(root)
     t0 = time.perf_counter()
-    out = snakemake("--cores", "2", "--configfile", "configs/smoke.yaml", "--replace-workflow-config", cwd=work, timeout=900)
+    out = snakemake(
+        "--cores", "2", "--configfile", "configs/smoke.yaml", "--replace-workflow-config", cwd=work, timeout=900
+    )
     wall = time.perf_counter() - t0
     if out.returncode != 0:
         logs = "".join(f"\n== {p}\n{p.read_text()[-3000:]}" for p in sorted((work / "logs").rglob("*.log")))
@@ -324,7 +326,7 @@ def test_projected_model_directory_with_lm_eval_cli(smoke, tmp_path):
          "--tasks", "dimattn_next_line", "--include_path", str(REPO / "dimattn/evaluation/lm_eval_tasks"),
          "--limit", "16", "--batch_size", "4", "--output_path", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=smoke,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     # The workflow's own score of that directory (score_projected, the same lm-eval model) agrees.
@@ -339,8 +341,15 @@ def test_long_context_branch_plans_its_jobs(tmp_path):
     Table 6's setting on it, the latency jobs, and the tables that read them (their code runs
     in-process in test_recall, test_latency and test_reporting_*)."""
     work = workdir(tmp_path)
-    args = ["-n", "--cores", "2", "--configfile", "configs/smoke.yaml", str(REPO / "tests/data/smoke_long_context.yaml"),
-            "--replace-workflow-config"]
+    args = [
+        "-n",
+        "--cores",
+        "2",
+        "--configfile",
+        "configs/smoke.yaml",
+        str(REPO / "tests/data/smoke_long_context.yaml"),
+        "--replace-workflow-config",
+    ]
     out = snakemake(*args, cwd=work, timeout=300)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     text = out.stdout + out.stderr
@@ -359,7 +368,9 @@ def test_long_context_branch_plans_its_jobs(tmp_path):
 
 
 def test_rerun_is_a_no_op(smoke):
-    out = snakemake("-n", "--cores", "2", "--configfile", "configs/smoke.yaml", "--replace-workflow-config", cwd=smoke, timeout=120)
+    out = snakemake(
+        "-n", "--cores", "2", "--configfile", "configs/smoke.yaml", "--replace-workflow-config", cwd=smoke, timeout=120
+    )
     assert out.returncode == 0
     assert "Nothing to be done" in out.stdout + out.stderr, (out.stdout + out.stderr)[-2000:]
 
@@ -369,7 +380,7 @@ def dry_run_over_smoke(smoke, tmp_path, overlay: str) -> str:
     path = tmp_path / "overlay.yaml"
     path.write_text(overlay)
     out = snakemake("-n", "--cores", "2", "--configfile", "configs/smoke.yaml", str(path), "--replace-workflow-config",
-                    cwd=smoke, timeout=120)  # fmt: skip
+                    cwd=smoke, timeout=120)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     return text
@@ -416,7 +427,15 @@ def test_one_job_does_every_fit_seed(smoke, tmp_path):
 def test_report_collects_every_table_and_figure(smoke, tmp_path):
     """snakemake --report: one self-contained HTML page with every declared table and figure."""
     report = tmp_path / "report.html"
-    out = snakemake("--report", str(report), "--configfile", "configs/smoke.yaml", "--replace-workflow-config", cwd=smoke, timeout=300)
+    out = snakemake(
+        "--report",
+        str(report),
+        "--configfile",
+        "configs/smoke.yaml",
+        "--replace-workflow-config",
+        cwd=smoke,
+        timeout=300,
+    )
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     html = report.read_text(errors="replace")
     declared = sorted(p.name for d in ("tables", "figures") for p in (smoke / "results" / d).iterdir())

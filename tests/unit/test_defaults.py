@@ -44,14 +44,14 @@ def _restated(path: Path, root: Path = REPO) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
                 and len(node.args) == 2 and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[1], ast.Constant) and _same(node.args[0].value, node.args[1].value)):  # fmt: skip
+                and isinstance(node.args[1], ast.Constant) and _same(node.args[0].value, node.args[1].value)):
             found.append(f"{path.relative_to(root)}:{node.lineno} .get({node.args[0].value!r}, {node.args[1].value!r})")
         if isinstance(node, ast.ClassDef):
             for item in node.body:
                 if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
-                        and isinstance(item.value, ast.Constant) and _same(item.target.id, item.value.value)):  # fmt: skip
+                        and isinstance(item.value, ast.Constant) and _same(item.target.id, item.value.value)):
                     found.append(f"{path.relative_to(root)}:{item.lineno} {node.name}.{item.target.id} = "
-                                 f"{item.value.value!r}")  # fmt: skip
+                                 f"{item.value.value!r}")
     return found
 
 
@@ -64,7 +64,7 @@ NOT_CONFIG = {
 
 def test_no_code_restates_a_schema_default():
     restated = [hit for path in CODE for hit in _restated(path)
-                if not hit.endswith(NOT_CONFIG.get(str(path.relative_to(REPO)), "\0"))]  # fmt: skip
+                if not hit.endswith(NOT_CONFIG.get(str(path.relative_to(REPO)), "\0"))]
     assert restated == [], "defaults written outside the schema:\n" + "\n".join(restated)
 
 
@@ -76,7 +76,7 @@ def test_the_check_finds_a_restated_default(tmp_path):
 
 
 @pytest.mark.parametrize("module, cls, source", [("dimattn.data.recall", "RecallSettings", "synthetic_recall"),
-                                                 ("dimattn.data.longctx", "LongContextSettings", "synthetic_longctx")])  # fmt: skip
+                                                 ("dimattn.data.longctx", "LongContextSettings", "synthetic_longctx")])
 def test_the_generators_defaults_are_the_schemas(module, cls, source):
     import importlib
 
@@ -103,10 +103,14 @@ def test_fit_settings_are_the_presets_file():
     assert vague == []
 
 
-@pytest.mark.parametrize("text, named", [("defaults: {lr: fast}\npresets: {ours: {}, authors: {}}\nobjectives: {}\n", "defaults.lr"),
-                                         ("presets: [\n", "cannot be read"),
-                                         ("defaults: {preset: ours}\npresets: {ours: {}, authors: {}}\nobjectives: {}\n",
-                                          "defaults lacks")])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("defaults: {lr: fast}\npresets: {ours: {}, authors: {}}\nobjectives: {}\n", "defaults.lr"),
+        ("presets: [\n", "cannot be read"),
+        ("defaults: {preset: ours}\npresets: {ours: {}, authors: {}}\nobjectives: {}\n", "defaults lacks"),
+    ],
+)
 def test_a_broken_presets_file_is_refused_naming_it(tmp_path, monkeypatch, text, named):
     from dimattn.workflow import schema as module
 

@@ -12,13 +12,13 @@ from dimattn.reporting import findings, summaries
 REPO = Path(__file__).resolve().parents[2]
 CLAIM = {"id": "t", "seed": "000", "where": "Table 1", "claim": "A beats B", "summary": "dar_perplexity",
          "value": "ppl", "better": "lower", "a": {"attention": "dar"}, "b": {"attention": "uniform"},
-         "match": ["corpus"]}  # fmt: skip
+         "match": ["corpus"]}
 
 
 def rows(spec: dict[tuple[str, str], list[float]]) -> pd.DataFrame:
     """{(attention, corpus): [value of seed 0, seed 1, ...]} as summary rows (strings, as read)."""
     out = [{"attention": att, "corpus": corpus, "seed": str(s), "ppl": str(v), "window": ""}
-           for (att, corpus), values in spec.items() for s, v in enumerate(values)]  # fmt: skip
+           for (att, corpus), values in spec.items() for s, v in enumerate(values)]
     return pd.DataFrame(out)
 
 
@@ -32,7 +32,7 @@ def rows(spec: dict[tuple[str, str], list[float]]) -> pd.DataFrame:
     ({("dar", "x"): [10, 14], ("uniform", "x"): [12, 13]}, "equivalent", findings.EQUIVALENT),
     ({("dar", "x"): [10, 11], ("uniform", "x"): [12, 13]}, "equivalent", findings.NOT_EQUIVALENT),
     ({("dar", "x"): [10, 11]}, "better", findings.UNTESTED),  # no B rows
-])  # fmt: skip
+])
 def test_the_verdict_follows_the_seeds(spec, kind, expected):
     result = findings.compare(rows(spec), {**CLAIM, "kind": kind})
     assert result["verdict"] == expected

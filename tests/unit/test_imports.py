@@ -15,8 +15,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "dimattn"
 # The torch-free core: what planning (the DAG) and the reporting stage's inputs import.
-CORE = ["dimattn.workflow.sweeps", "dimattn.model.variants", "dimattn.workflow.paths", "dimattn.workflow.reference", "dimattn.workflow.formats",
-        "dimattn.workflow.runs", "dimattn.workflow.settings", "dimattn.model.atomic"]  # fmt: skip
+CORE = [
+    "dimattn.workflow.sweeps",
+    "dimattn.model.variants",
+    "dimattn.workflow.paths",
+    "dimattn.workflow.reference",
+    "dimattn.workflow.formats",
+    "dimattn.workflow.runs",
+    "dimattn.workflow.settings",
+    "dimattn.model.atomic",
+]
 
 
 def module_name(path: Path) -> str:

@@ -62,3 +62,32 @@ def test_the_model_package_imports_only_its_siblings():
 def test_no_module_is_over_700_lines():
     long = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     assert {k: v for k, v in long.items() if v > MAX_LINES} == {}
+
+
+WIDTH = 120  # pyproject.toml's [tool.black] and [tool.snakefmt]: one width for the whole code
+
+
+def _code_lines_over(path: Path, width: int) -> list[int]:
+    """Lines of ``path`` over ``width`` characters outside a string (a docstring or a message a
+    formatter cannot split)."""
+    import io
+    import tokenize
+
+    lines = path.read_text().splitlines()
+    long = {i + 1 for i, line in enumerate(lines) if len(line) > width}
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type == tokenize.STRING or tok.type == getattr(tokenize, "FSTRING_MIDDLE", -1):
+            long -= set(range(tok.start[0], tok.end[0] + 1))
+    return sorted(long)
+
+
+def test_one_width_and_no_formatter_escapes():
+    import tomllib
+
+    tools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]
+    assert tools["black"]["line-length"] == tools["snakefmt"]["line_length"] == WIDTH
+    files = [p for d in ("dimattn", "workflow_scripts", "benchmarks", "tests") for p in sorted((REPO / d).rglob("*.py"))]
+    over = {str(p.relative_to(REPO)): n for p in files if (n := _code_lines_over(p, WIDTH))}
+    assert over == {}, f"code lines over {WIDTH} characters: {over}"
+    escapes = [str(p.relative_to(REPO)) for p in files if "fmt: " + "skip" in p.read_text()]
+    assert escapes == [], f"formatter escapes in {escapes}"

@@ -71,20 +71,31 @@ def solve(settings, x) -> list[int]:
 # One hand-written example a subtask and the settings it needs; seq_len is its length.
 HAND = {
     "niah_single": (dict(), "<|bos|> w00 w03 k04 = v07 w01 <|niah_single|> k04 <|query|> v07 <|endoftext|>"),
-    "niah_multikey": (dict(multikey_needles=2),
-                      "<|bos|> k01 = v02 w05 w05 k03 = v04 w00 w09 w02 <|niah_multikey|> k03 <|query|> v04 <|endoftext|>"),
-    "niah_multivalue": (dict(multivalue_values=2),
-                        "<|bos|> w01 k05 = v01 w02 k05 = v09 w03 <|niah_multivalue|> k05 <|query|> v01 v09 <|endoftext|>"),
-    "niah_multiquery": (dict(multiquery_queries=2),
-                        "<|bos|> k00 = v03 w01 k07 = v03 w02 <|niah_multiquery|> k07 k00 <|query|> v03 v03 <|endoftext|>"),
-    "vt": (dict(vt_chains=2, vt_hops=1),
-           "<|bos|> k01 = v04 k02 = v05 w00 k03 = k02 k04 = k01 w07 <|vt|> v05 <|query|> k02 k03 <|endoftext|>"),
-    "cwe": (dict(cwe_words=2, cwe_ratio=2, n_words=4),
-            "<|bos|> w2 w0 w2 w3 w0 w2 w0 w2 w1 w0 <|cwe|> <|query|> w2 w0 <|endoftext|>"),
-    "fwe": (dict(fwe_words=1, n_words=4),
-            "<|bos|> w3 w3 w1 w3 w3 w0 w3 w2 w3 <|fwe|> <|query|> w3 <|endoftext|>"),
-    "qa": (dict(qa_docs=2),
-           "<|bos|> <|doc|> k01 w03 = v02 w00 <|doc|> k05 w00 w03 = v06 w01 <|qa|> k05 w03 <|query|> v06 <|endoftext|>"),
+    "niah_multikey": (
+        dict(multikey_needles=2),
+        "<|bos|> k01 = v02 w05 w05 k03 = v04 w00 w09 w02 <|niah_multikey|> k03 <|query|> v04 <|endoftext|>",
+    ),
+    "niah_multivalue": (
+        dict(multivalue_values=2),
+        "<|bos|> w01 k05 = v01 w02 k05 = v09 w03 <|niah_multivalue|> k05 <|query|> v01 v09 <|endoftext|>",
+    ),
+    "niah_multiquery": (
+        dict(multiquery_queries=2),
+        "<|bos|> k00 = v03 w01 k07 = v03 w02 <|niah_multiquery|> k07 k00 <|query|> v03 v03 <|endoftext|>",
+    ),
+    "vt": (
+        dict(vt_chains=2, vt_hops=1),
+        "<|bos|> k01 = v04 k02 = v05 w00 k03 = k02 k04 = k01 w07 <|vt|> v05 <|query|> k02 k03 <|endoftext|>",
+    ),
+    "cwe": (
+        dict(cwe_words=2, cwe_ratio=2, n_words=4),
+        "<|bos|> w2 w0 w2 w3 w0 w2 w0 w2 w1 w0 <|cwe|> <|query|> w2 w0 <|endoftext|>",
+    ),
+    "fwe": (dict(fwe_words=1, n_words=4), "<|bos|> w3 w3 w1 w3 w3 w0 w3 w2 w3 <|fwe|> <|query|> w3 <|endoftext|>"),
+    "qa": (
+        dict(qa_docs=2),
+        "<|bos|> <|doc|> k01 w03 = v02 w00 <|doc|> k05 w00 w03 = v06 w01 <|qa|> k05 w03 <|query|> v06 <|endoftext|>",
+    ),
 }
 
 
@@ -114,12 +125,22 @@ KEY_ASKED = dict(needles="fused", question_first=True)  # the layout small model
 
 # The same, hand-written in the key-asked layout: one pair token a statement, the question after <|query|>.
 HAND_KEY_ASKED = {
-    "niah_multikey": (dict(multikey_needles=2),
-                      "<|bos|> a01_02 w05 a03_04 w00 <|niah_multikey|> <|query|> k03 v04 <|endoftext|>"),
-    "niah_multiquery": (dict(multiquery_queries=2),
-                        "<|bos|> a00_03 w01 a07_05 w02 <|niah_multiquery|> <|query|> k07 k00 v05 v03 <|endoftext|>"),
-    "vt": (dict(vt_chains=2, vt_hops=1), "<|bos|> a01_04 a02_05 w00 c03_02 c04_01 w07 <|vt|> <|query|> v05 k02 k03 <|endoftext|>"),
-    "qa": (dict(qa_docs=2), "<|bos|> <|doc|> k01 f03_02 w00 <|doc|> k05 w00 f03_06 <|qa|> <|query|> k05 w03 v06 <|endoftext|>"),
+    "niah_multikey": (
+        dict(multikey_needles=2),
+        "<|bos|> a01_02 w05 a03_04 w00 <|niah_multikey|> <|query|> k03 v04 <|endoftext|>",
+    ),
+    "niah_multiquery": (
+        dict(multiquery_queries=2),
+        "<|bos|> a00_03 w01 a07_05 w02 <|niah_multiquery|> <|query|> k07 k00 v05 v03 <|endoftext|>",
+    ),
+    "vt": (
+        dict(vt_chains=2, vt_hops=1),
+        "<|bos|> a01_04 a02_05 w00 c03_02 c04_01 w07 <|vt|> <|query|> v05 k02 k03 <|endoftext|>",
+    ),
+    "qa": (
+        dict(qa_docs=2),
+        "<|bos|> <|doc|> k01 f03_02 w00 <|doc|> k05 w00 f03_06 <|qa|> <|query|> k05 w03 v06 <|endoftext|>",
+    ),
     "cwe": (dict(cwe_words=1, cwe_ratio=2, n_words=3), "<|bos|> w2 w0 w2 w1 w2 w2 <|cwe|> <|query|> w2 <|endoftext|>"),
 }
 
@@ -177,7 +198,9 @@ def test_the_drill_asks_each_pair_at_its_key_and_only_the_train_split_holds_it(t
         assert row[63] == "<|endoftext|>"
     for split in ("validation", "test"):  # the suite alone
         assert metas[split]["n_examples"] == 16
-        find_answers(np.asarray(load_tokens(tmp_path / f"suite/tokens/{split}.bin")[0]).reshape(16, 64), meta["longctx"])
+        find_answers(
+            np.asarray(load_tokens(tmp_path / f"suite/tokens/{split}.bin")[0]).reshape(16, 64), meta["longctx"]
+        )
     # without the drill, the train split is the suite's examples as generate_examples draws them
     plain = LongContextSettings(**{**SMALL, **KEY_ASKED, "seq_len": 64, "n_train": 40})
     from dimattn.data.longctx import generate_split
@@ -199,7 +222,9 @@ def test_the_needle_depth_of_a_fused_needle_is_its_pair_token():
         pair = names[int(x[i, 1 + round(depth * (c - 1))])]
         assert pair == f"a{names[int(x[i, -3])][1:]}_{names[int(x[i, -2])][1:]}"
     for depth in (0.0, 1.0):
-        d = LongContextSettings(**{**SMALL, **KEY_ASKED, "seq_len": 96, "subtasks": ("niah_single",), "needle_depth": depth})
+        d = LongContextSettings(
+            **{**SMALL, **KEY_ASKED, "seq_len": 96, "subtasks": ("niah_single",), "needle_depth": depth}
+        )
         rows = generate_examples(d, 3, np.random.default_rng(1))
         assert needle_depths(rows, find_answers(rows, d.layout()), d.layout()) == {0: depth, 1: depth, 2: depth}
 
@@ -238,7 +263,7 @@ def test_the_needle_map_bins_the_asked_needle_by_depth():
     rows = needle_scores({0: 0.0, 1: 0.1, 2: 0.5, 3: 1.0, 4: 0.99}, {0: 1.0, 1: 0.0, 2: 1.0, 3: 1.0, 4: 0.0}, bins=4)
     assert rows == [{"depth_lo": 0.0, "depth_hi": 0.25, "score": 50.0, "n": 2},
                     {"depth_lo": 0.5, "depth_hi": 0.75, "score": 100.0, "n": 1},
-                    {"depth_lo": 0.75, "depth_hi": 1.0, "score": 50.0, "n": 2}]  # fmt: skip
+                    {"depth_lo": 0.75, "depth_hi": 1.0, "score": 50.0, "n": 2}]
 
 
 REFUSED = {
@@ -247,16 +272,23 @@ REFUSED = {
     "more keys than the vocabulary": (dict(multikey_needles=13), "n_keys must be >= 13"),
     "chains beyond the keys": (dict(vt_chains=3, vt_hops=4), "n_keys must be >= 15"),
     "more common words than words": (dict(cwe_words=16), "n_words must be >= 17"),
-    "a context too short for its needles": (dict(seq_len=20, subtasks=("niah_multikey",), multikey_needles=6),
-                                            "seq_len must be long enough for niah_multikey"),
-    "common words that cannot stand out": (dict(seq_len=400, subtasks=("cwe",), n_words=6, cwe_words=5, cwe_ratio=200),
-                                           "seq_len must be long enough for 5 common words"),
+    "a context too short for its needles": (
+        dict(seq_len=20, subtasks=("niah_multikey",), multikey_needles=6),
+        "seq_len must be long enough for niah_multikey",
+    ),
+    "common words that cannot stand out": (
+        dict(seq_len=400, subtasks=("cwe",), n_words=6, cwe_words=5, cwe_ratio=200),
+        "seq_len must be long enough for 5 common words",
+    ),
     "unknown subtask": (dict(subtasks=("niah_single", "passkey")), "subtasks"),
     "a float count": (dict(n_keys=12.0), "n_keys must be int"),
     "an unknown needle kind": (dict(needles="words"), "needles must be one of"),
     "a drill without pair tokens": (dict(drill=0.25), "needles must be 'fused' for a drill"),
     "a drill of every example": (dict(needles="fused", drill=1.0), "drill must be in \\[0, 1\\)"),
-    "more drill pairs than keys": (dict(needles="fused", drill=0.25, drill_pairs=13), "drill_pairs must be in \\[1, 12\\]"),
+    "more drill pairs than keys": (
+        dict(needles="fused", drill=0.25, drill_pairs=13),
+        "drill_pairs must be in \\[1, 12\\]",
+    ),
     "pair tokens beyond uint16": (dict(needles="fused", n_keys=150, n_values=150, n_words=150), "uint16 tokens"),
 }
 
@@ -299,7 +331,7 @@ def test_greedy_generation_through_the_cache_is_naive_greedy(tmp_path):
     answers = find_answers(x, s.layout())
     torch.manual_seed(0)
     config = DimAttnConfig(vocab_size=s.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                           attention="vanilla", max_position_embeddings=64, initializer_range=0.3)  # fmt: skip
+                           attention="vanilla", max_position_embeddings=64, initializer_range=0.3)
     model = DimAttnForCausalLM(config).eval()
     got = generate_answers(model, x, answers, batch_size=4)
     for row, (_, prompt), generated in zip(x, answers, got):
@@ -322,7 +354,7 @@ def test_greedy_generation_through_the_cache_is_naive_greedy(tmp_path):
     model.register_for_auto_class("AutoModelForCausalLM")
     model.save_pretrained(tmp_path / "long-vanilla")
     record = evaluate_longctx(tmp_path / "long-vanilla", tmp_path / "suite/tokens/test.bin", tmp_path / "s.json", 8,
-                              corpus="suite")  # fmt: skip
+                              corpus="suite")
     assert record["subtasks"] == result["subtasks"] and record["run"] == "long-vanilla" and record["corpus"] == "suite"
     df = summarize_longctx([tmp_path / "s.json"], tmp_path / "longctx.csv")
     assert list(df["subtask"]) == [*s.subtasks, "average"] and (df["seq_len"] == 48).all()
@@ -334,11 +366,11 @@ def test_the_scorer_is_lm_evals_string_match_on_hand_made_predictions():
     names = list(vocabulary(LongContextSettings(seq_len=256)))  # names of two digits
     v = {n: i for i, n in enumerate(names)}
     gold = [[v["v01"], v["v02"], v["v03"], v["v04"]], [v["v01"], v["v02"], v["v03"], v["v04"]], [v["k02"]], [v["k02"]],
-            [v["w01"], v["w02"]]]  # fmt: skip
+            [v["w01"], v["w02"]]]
     predictions = [gold[0],  # all found, exact
                    [v["v04"], v["v03"], v["v01"], v["v09"]],  # 3 of 4 found, out of order
                    [v["k02"]], [v["k12"]],  # k02 is no substring of "k12": the names of a group are one width
-                   [v["w02"], v["w01"]]]  # fmt: skip
+                   [v["w02"], v["w01"]]]
     tasks = ["niah_multivalue", "niah_multivalue", "niah_single", "niah_single", "cwe"]
     gold, predictions, tasks = gold + [[v["v05"]]] * 2, predictions + [[v["v05"]], [v["v50"]]], tasks + ["qa"] * 2
     result = score_predictions(tasks, predictions, gold, names)["subtasks"]
@@ -391,7 +423,7 @@ def test_score_projected_scores_the_suite_through_a_projected_directory(tmp_path
     torch.manual_seed(0)
     base = DimAttnForCausalLM(DimAttnConfig(vocab_size=s.vocab_size, hidden_size=32, num_hidden_layers=2,
                                             num_attention_heads=2, attention="vanilla", max_position_embeddings=128,
-                                            initializer_range=0.3))  # fmt: skip
+                                            initializer_range=0.3))
     base.config.register_for_auto_class()
     base.register_for_auto_class("AutoModelForCausalLM")
     base.save_pretrained(tmp_path / "run")

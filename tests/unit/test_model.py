@@ -418,7 +418,7 @@ def test_vanilla_equals_transformers_gpt_neox_with_the_same_weights():
         rotary_pct=c.rotary_pct, rotary_emb_base=c.rotary_emb_base, max_position_embeddings=c.max_position_embeddings,
         layer_norm_eps=c.layer_norm_eps, use_parallel_residual=c.use_parallel_residual, tie_word_embeddings=False,
         attention_bias=True,
-    )).eval()  # fmt: skip
+    )).eval()
     state = {("lm_head.weight" if k == "embed_out.weight" else k): v for k, v in ours.state_dict().items()}
     theirs.load_state_dict(state, strict=True)
     x = torch.randint(0, 97, (2, 100))

@@ -330,7 +330,7 @@ def test_halves_pairs_are_distinct_top_against_bottom():
     scores = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
     rows, chosen, rejected = select_pairs(scores, torch.ones(4, 10, dtype=torch.bool), "halves", generator=g,
-                                          num_pairs=3)  # fmt: skip
+                                          num_pairs=3)
     assert len(rows) == 12
     for r in range(4):
         rk = ranks(scores[r])
@@ -346,7 +346,7 @@ def test_halves_pairs_are_distinct_top_against_bottom():
 def test_distance_pairs_have_the_rank_gap(distance):
     scores = torch.randn(20, 10, generator=torch.Generator().manual_seed(0))
     rows, chosen, rejected = select_pairs(scores, torch.ones(20, 10, dtype=torch.bool), "distance",
-                                          generator=torch.Generator().manual_seed(2), distance=distance)  # fmt: skip
+                                          generator=torch.Generator().manual_seed(2), distance=distance)
     for r, w, l in zip(rows, chosen, rejected):
         rk = ranks(scores[r])
         assert rk[int(l)] - rk[int(w)] == min(distance, 9)
@@ -392,7 +392,7 @@ def test_pca_centred_is_sklearn_style_and_uncentred_has_no_bias():
 def test_registry_holds_every_objective_with_the_authors_settings():
     assert set(OBJECTIVES) == {
         "random", "pca", "triplet", "cpo", "simpo", "orpo", "kl", "dimpo", "dimpo_list", "dimpo_kl",
-    }  # fmt: skip
+    }
     d = {name: dict(o.defaults) for name, o in OBJECTIVES.items()}
     assert d["dimpo"] == dict(lr=1e-4, batch_size=1, beta=1.0, gamma=1e-4, k_share=1 / 64, lam=1.0)
     assert d["dimpo_list"]["k"] == 0 and d["dimpo_kl"]["kl_weight"] == 1.0

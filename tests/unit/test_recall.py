@@ -352,7 +352,7 @@ def _probe_model(vocab_size, layers=1, heads=1, seed=0):
 
     torch.manual_seed(seed)
     config = DimAttnConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=layers, num_attention_heads=heads,
-                           attention="vanilla", max_position_embeddings=128, initializer_range=0.3)  # fmt: skip
+                           attention="vanilla", max_position_embeddings=128, initializer_range=0.3)
     return DimAttnForCausalLM(config).eval()
 
 

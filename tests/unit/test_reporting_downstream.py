@@ -74,7 +74,7 @@ def test_each_panel_says_which_way_is_better(rendered):
     # ours (accuracy, perplexity), then the paper's RULER 4k and 8k
     assert labels == ["accuracy, % of the base model\n(higher is better)",
                       "perplexity, % of the base model\n(lower is better)",
-                      *["RULER score, % of the base model\n(higher is better)"] * 2]  # fmt: skip
+                      *["RULER score, % of the base model\n(higher is better)"] * 2]
     assert score_labels(fig) == labels
 
 
@@ -89,7 +89,7 @@ def test_a_malformed_record_names_its_file(tmp_path):
 def test_fit_seeds_give_a_spread(tmp_path):
     summary = tmp_path / "summary"
     summaries.summarize_downstream(write_downstream_jsons(tmp_path, seeds=(0, 1, 2)),
-                                   summary_path(summary, "dimpo_downstream"))  # fmt: skip
+                                   summary_path(summary, "dimpo_downstream"))
     (table,) = outputs.render(["tables/dimpo_downstream.tex"], summary, REFERENCE, tmp_path)
     cells = [c.strip() for c in table_line(table.read_text(), "PCA &").rstrip(" \\").split("&")[1:]]
     # accuracy at l = 2: seeds 0.36, 0.37, 0.38 of 0.40 -> 92.5 [90.0, 95.0]

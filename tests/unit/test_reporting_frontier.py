@@ -40,7 +40,7 @@ def projected_record(objective, l, kv, seed, ppl, nbytes, **extra):
     return {"model": "tiny-vanilla", "objective": objective, "setting": "default", "d_prime": 0 if l == 0 else 4,
             "num_projected": l, "n_layers": 4, "scale": "d_prime", "kv": kv, "kv_method": kv, "kv_level": 0,
             "seed": seed, "perplexity": {"shakespeare": {"ppl": ppl, "cache_bytes_per_token": nbytes}},
-            "recall": {}, "results": {"dimattn_next_line": {"acc,none": 0.3}}, "num_fewshot": {}} | extra  # fmt: skip
+            "recall": {}, "results": {"dimattn_next_line": {"acc,none": 0.3}}, "num_fewshot": {}} | extra
 
 
 @pytest.fixture
@@ -49,16 +49,16 @@ def raw(tmp_path):
     for run, (model, ppls, nbytes) in TEXT_RUNS.items():
         for seed, ppl in enumerate(ppls):
             files.append(write(tmp_path / f"{run}-s{seed}.json",
-                               run_record(run, model, seed, ppl=ppl, cache_bytes_per_token=nbytes)))  # fmt: skip
+                               run_record(run, model, seed, ppl=ppl, cache_bytes_per_token=nbytes)))
     for (objective, l, kv), (ppls, nbytes) in PROJECTED.items():
         for seed, ppl in enumerate(ppls):
             files.append(write(tmp_path / f"p-{objective}-{l}-s{seed}.json",
-                               projected_record(objective, l, kv, seed, ppl, nbytes)))  # fmt: skip
+                               projected_record(objective, l, kv, seed, ppl, nbytes)))
     # the recall probe: a vanilla and a DAR run, one seed each
     for run, model, acc, nbytes in (("recall-vanilla", {"attention": "vanilla"}, 0.98, 512.0),
                                     ("recall-dar-w4-d2", {"attention": "dar", "window": 4, "d_down": 2}, 0.5, 80.0)):
         record = run_record(run, model, 0, accuracy=acc, by_distance=[], chance=1 / 16, n_queries=8,
-                            cache_bytes_per_token=nbytes) | {"corpus": "recall", "hidden_size": 64}  # fmt: skip
+                            cache_bytes_per_token=nbytes) | {"corpus": "recall", "hidden_size": 64}
         files.append(write(tmp_path / f"{run}.json", record))
     # a hub model scored by lm-eval alone: no cache measured, no point
     files.append(write(tmp_path / "hub.json", projected_record("kl", 2, "none", 0, 1.0, 1.0, perplexity={})))
@@ -91,9 +91,13 @@ def test_the_front_is_every_undominated_point(raw, tmp_path):
         rows = part.to_dict("records")
         for p in rows:  # naive: p is on the front iff no other point is at least as good on both, better on one
             q_p = sign * p["rel_to_base"]
-            dominated = any(sign * q["rel_to_base"] >= q_p and q["cache_bytes_per_token"] <= p["cache_bytes_per_token"]
-                            and (sign * q["rel_to_base"] > q_p or q["cache_bytes_per_token"] < p["cache_bytes_per_token"])
-                            for q in rows if q is not p)  # fmt: skip
+            dominated = any(
+                sign * q["rel_to_base"] >= q_p
+                and q["cache_bytes_per_token"] <= p["cache_bytes_per_token"]
+                and (sign * q["rel_to_base"] > q_p or q["cache_bytes_per_token"] < p["cache_bytes_per_token"])
+                for q in rows
+                if q is not p
+            )
             assert p["pareto"] == (not dominated), (probe, frontier.label(p))
     text = pts[pts["probe"] == "perplexity:shakespeare"]
     on_front = set(text.loc[text["pareto"], "family"])
@@ -126,7 +130,7 @@ def test_a_point_is_named_once_by_objective_sizes_and_compression():
     """The figure's key: the compression named once (not in the family and again after it), the
     base model as "base", compressed or not."""
     row = {"source": "projected", "family": "kl+kivi", "objective": "kl", "d_prime": 16, "num_projected": 3,
-           "n_layers": 6, "kv_method": "kivi", "kv_level": 2}  # fmt: skip
+           "n_layers": 6, "kv_method": "kivi", "kv_level": 2}
     assert frontier.label(row) == "kl d'=16 l=3/6 kivi 2"
     base = row | {"family": "snapkv", "objective": "base", "kv_method": "snapkv", "kv_level": 32}
     assert frontier.label(base) == "base snapkv 32"

@@ -11,7 +11,9 @@ from dimattn.workflow.sweeps import RULER_TASKS
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory):
     root = tmp_path_factory.mktemp("long")
-    df = summaries.summarize_downstream(write_long_context_jsons(root), summary_path(root / "summary", "dimpo_downstream"))
+    df = summaries.summarize_downstream(
+        write_long_context_jsons(root), summary_path(root / "summary", "dimpo_downstream")
+    )
     names = ["tables/dimpo_ruler.tex", "tables/dimpo_kv.tex"]
     written = outputs.render(names, root / "summary", REFERENCE, root)
     return df, {p.name: p.read_text() for p in written}
@@ -56,7 +58,7 @@ def test_the_subtask_table_sits_at_the_separating_l_beside_the_paper(rendered):
     assert r"recall by query distance, $l{=}2$ of 2" in tex and r"RULER 4096, $l{=}20$ of 32" in tex
     dimpo = _cells(tex, "DimPO &")
     assert dimpo[:3] == [r"50.5 {\scriptsize[50.0, 51.0]}", r"40.5 {\scriptsize[40.0, 41.0]}",
-                         r"48.0 {\scriptsize[47.5, 48.5]}"]  # fmt: skip
+                         r"48.0 {\scriptsize[47.5, 48.5]}"]
     assert dimpo[-14:-7] == ["51.3", "60.3", "38.4", "39.6", "61.2", "71.5", "52.4"]  # paper, Table 2 (Llama)
     assert dimpo[-7:] == ["73.0", "46.2", "36.4", "69.6", "56.5", "64.5", "65.9"]  # Table 3 (Qwen3-4B)
     assert _cells(tex, "Base (l = 0) &")[:3] == ["90.0", "80.0", "87.5"]
@@ -76,7 +78,9 @@ def test_the_kv_table_puts_compressions_in_columns(rendered):
 
 
 def test_outputs_are_wanted_from_the_summary_alone(tmp_path):
-    summaries.summarize_downstream(write_long_context_jsons(tmp_path), summary_path(tmp_path / "summary", "dimpo_downstream"))
+    summaries.summarize_downstream(
+        write_long_context_jsons(tmp_path), summary_path(tmp_path / "summary", "dimpo_downstream")
+    )
     asked = outputs.runs_in(tmp_path / "summary")
     assert {"downstream", "long_context", "kv"} <= set(asked.dimpo)
     wanted = outputs.wanted(asked.runs, asked.lm_eval, asked.dimpo)

@@ -29,7 +29,9 @@ def test_the_summary_has_a_row_per_run_length_and_bin(drawn):
     assert list(df["subtask"][:4]) == ["niah_multikey"] * 2 + ["niah_single"] * 2
     assert list(df["depth_lo"][:2]) == [0.0, 0.5] and list(df["corpus"]) == ["suite128"] * 8 + ["suite256"] * 8
     multikey = df[df["subtask"] == "niah_multikey"]
-    row = multikey[(multikey["run"] == "long-dar-w8-d16") & (multikey["seq_len"] == 128) & (multikey["depth_lo"] == 0.5)].iloc[0]
+    row = multikey[
+        (multikey["run"] == "long-dar-w8-d16") & (multikey["seq_len"] == 128) & (multikey["depth_lo"] == 0.5)
+    ].iloc[0]
     assert (row["score"], row["n"], row["depth_hi"]) == (10.0, 7, 1.0)
 
 
@@ -37,7 +39,9 @@ def test_a_panel_per_run_and_subtask_base_first_cells_are_the_bins_scores(drawn)
     _, fig = drawn
     panels = [ax for ax in fig.axes if ax.get_title()]
     titles = [ax.get_title().split("\n")[0] for ax in panels]
-    assert titles == [f"{run}: {task}" for task in ("niah_multikey", "niah_single") for run in ("long-vanilla", "long-dar-w8-d16")]
+    assert titles == [
+        f"{run}: {task}" for task in ("niah_multikey", "niah_single") for run in ("long-vanilla", "long-dar-w8-d16")
+    ]
     for ax in panels[2:]:  # niah_single: every cell the fixture's 100
         (mesh,) = [c for c in ax.collections if isinstance(c, QuadMesh)]
         assert mesh.get_array().tolist() == [[100.0, 100.0], [100.0, 100.0]]
@@ -48,7 +52,10 @@ def test_a_panel_per_run_and_subtask_base_first_cells_are_the_bins_scores(drawn)
         assert [t.get_text() for t in ax.get_yticklabels()] == ["0-50%", "50-100%"]  # shallow first
         (mesh,) = [c for c in ax.collections if isinstance(c, QuadMesh)]
         cells = mesh.get_array().reshape(2, 2)  # rows: depth bins, columns: lengths
-        assert cells.tolist() == [[SCORES[run, 128][0], SCORES[run, 256][0]], [SCORES[run, 128][1], SCORES[run, 256][1]]]
+        assert cells.tolist() == [
+            [SCORES[run, 128][0], SCORES[run, 256][0]],
+            [SCORES[run, 128][1], SCORES[run, 256][1]],
+        ]
         assert "6 examples" in ax.get_title()
         assert sorted(t.get_text() for t in ax.texts) == sorted(f"{s:.0f}" for L in (128, 256) for s in SCORES[run, L])
 
@@ -92,7 +99,13 @@ def test_the_needle_summary_of_projected_models_has_a_row_per_record_length_and_
     assert len(needle) == 9 * 2 * 2  # 9 records, 2 lengths, 2 bins
     row = needle[(needle["objective"] == "dimpo") & (needle["num_projected"] == 2) & (needle["seed"] == 1)
                  & (needle["seq_len"] == 256) & (needle["depth_lo"] == 0.0)].iloc[0]
-    assert (row["score"], row["n"], row["corpus"], row["subtask"], row["study"]) == (31.0, 5, "suite256", "niah_multikey", "table1")
+    assert (row["score"], row["n"], row["corpus"], row["subtask"], row["study"]) == (
+        31.0,
+        5,
+        "suite256",
+        "niah_multikey",
+        "table1",
+    )
 
 
 def test_a_record_off_the_suite_leaves_the_needle_summary_empty(tmp_path):

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from dimattn import DimAttnConfig, DimAttnForCausalLM
-from dimattn.model.modeling_dimattn import CompactSlidingWindowLayer, DilatedLayer, LayerwiseCache, kv_cache_nbytes, new_cache
+from dimattn.model.modeling_dimattn import (
+    CompactSlidingWindowLayer,
+    DilatedLayer,
+    LayerwiseCache,
+    kv_cache_nbytes,
+    new_cache,
+)
 
 MODELS = {
     "swa": dict(attention="swa", window=5),
@@ -23,7 +29,7 @@ LAYERS = {"swa": CompactSlidingWindowLayer, "dilated": DilatedLayer}
 def tiny(attention="swa", **kw):
     cfg = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, rotary_pct=0.5,
                max_position_embeddings=128, initializer_range=0.2, attention=attention, d_down=None,
-               eos_token_id=None, bos_token_id=None)  # fmt: skip
+               eos_token_id=None, bos_token_id=None)
     cfg.update(kw)
     torch.manual_seed(0)
     return DimAttnForCausalLM(DimAttnConfig(**cfg)).eval()
@@ -126,7 +132,7 @@ def test_greedy_generate_uses_the_sliding_cache_and_equals_full_forwards():
     model = tiny(**MODELS["swa"])
     x = torch.randint(1, 97, (2, 10))
     out = model.generate(x, max_new_tokens=20, do_sample=False, attention_mask=torch.ones_like(x),
-                         pad_token_id=0, return_dict_in_generate=True)  # fmt: skip
+                         pad_token_id=0, return_dict_in_generate=True)
     seq = x
     with torch.no_grad():
         for _ in range(20):

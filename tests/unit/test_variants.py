@@ -25,7 +25,9 @@ def test_the_schema_requires_what_each_variant_requires():
     schema = yaml.safe_load((REPO / "schemas/config.schema.yaml").read_text())
     sweep = schema["properties"]["pretraining"]["properties"]["sweeps"]["items"]
     assert sweep["properties"]["attention"]["enum"] == list(VARIANTS)
-    required = {rule["if"]["properties"]["attention"]["const"]: set(rule["then"]["required"]) for rule in sweep["allOf"]}
+    required = {
+        rule["if"]["properties"]["attention"]["const"]: set(rule["then"]["required"]) for rule in sweep["allOf"]
+    }
     assert required == {name: set(v.requires) for name, v in VARIANTS.items() if v.requires}
     taken = set().union(*(v.takes for v in VARIANTS.values())) | variants.PATTERN_KEYS
     assert taken == set(sweep["properties"]) - {"scale", "attention", "seed"}
@@ -76,10 +78,14 @@ def test_check_model_names_the_key(model, key):
 
 
 def test_check_model_accepts_every_variant_with_its_keys():
-    for model in ({"attention": "vanilla"}, {"attention": "dar", "window": 0, "d_down": 64},
-                  {"attention": "uniform", "d_down": 1}, {"attention": "swa", "window": 1},
-                  {"attention": "dilated", "window": 1, "dilation": 1},
-                  {"attention": "dar", "window": 8, "d_down": 8, "attention_layers": [0, 1], "full_attention_every": 2}):
+    for model in (
+        {"attention": "vanilla"},
+        {"attention": "dar", "window": 0, "d_down": 64},
+        {"attention": "uniform", "d_down": 1},
+        {"attention": "swa", "window": 1},
+        {"attention": "dilated", "window": 1, "dilation": 1},
+        {"attention": "dar", "window": 8, "d_down": 8, "attention_layers": [0, 1], "full_attention_every": 2},
+    ):
         assert check_model({**ARCH, **model}) == []
 
 
