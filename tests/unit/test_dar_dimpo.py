@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from dimattn import DimAttnConfig, DimAttnForCausalLM
-from dimattn.model.affine import Affine, DamagedFileError, save_projections
+from dimattn.model.affine import Affine, DamagedFileError
 from dimattn.dimpo.capture import capture_qkv
 from dimattn.model.modeling_dimattn import DimAttnCache
-from dimattn.model.configuration_projected import save_projected_model
 from dimattn.model.modeling_projected import attach_projections
 from dimattn.dimpo.capture_files import load_capture, save_capture
 from dimattn.dimpo.fidelity import attention_fidelity
@@ -280,48 +279,6 @@ def test_projected_dar_layer_matches_the_naive_reference_and_caches_alike(dar_ca
     assert torch.equal(model.generate(prompt, use_cache=True, **kw), model.generate(prompt, use_cache=False, **kw))
     with pytest.raises(ValueError, match="KV compression needs a plain KV cache"):
         attach_projections(tiny(), {1: proj}, 1, kv={"snapkv": {"budget": 64, "window": 32, "kernel": 5}})
-
-
-def test_projected_dar_directory_loads_with_auto_model(tmp_path):
-    """A DAR run directory as training writes it (its own modeling code), projected and loaded
-    back through AutoModelForCausalLM with trust_remote_code, here and in a fresh interpreter,
-    where the code saved beside the weights runs (as under lm-eval)."""
-    import json
-    import subprocess
-    import sys
-
-    from transformers import AutoModelForCausalLM
-
-    from dimattn.data.corpora import train_tokenizer, write_documents
-
-    words = "to be or not that is the question whether tis nobler".split()
-    write_documents([{"id": "d0", "text": " ".join(words * 8)}], tmp_path / "docs.jsonl")
-    tokenizer = train_tokenizer(tmp_path / "docs.jsonl", vocab_size=300, out_dir=tmp_path / "run")
-    model = tiny(vocab_size=len(tokenizer))
-    model.config.register_for_auto_class()
-    model.register_for_auto_class("AutoModelForCausalLM")
-    model.save_pretrained(tmp_path / "run")
-    proj = random_affine()
-    save_projections({0: random_affine(seed=5), 1: proj}, tmp_path / "p.safetensors", {"objective": "kl", "seed": 0})
-    save_projected_model(tmp_path / "projected", str(tmp_path / "run"), tmp_path / "p.safetensors", num_projected=1)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "projected", trust_remote_code=True).eval()
-    reference = attach_projections(model, {1: proj}, 1)
-    x = ids()
-    expected = reference(x).logits
-    torch.testing.assert_close(loaded(x).logits, expected)
-    assert type(loaded).__name__.startswith("Projected")
-    code = (
-        "import json, torch\n"
-        "from transformers import AutoModelForCausalLM\n"
-        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'projected')!r}, trust_remote_code=True).eval()\n"
-        "assert m.__class__.__mro__[2].__module__.startswith('transformers_modules'), m.__class__.__mro__\n"
-        f"print(json.dumps(m(torch.tensor({x.tolist()})).logits[:, -1].tolist()))\n"
-    )
-    out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                         env={"HF_HUB_OFFLINE": "1", "PATH": "", "HF_HOME": str(tmp_path / "hf")})
-    assert out.returncode == 0, out.stderr
-    got = torch.tensor(json.loads(out.stdout.strip().splitlines()[-1]))
-    torch.testing.assert_close(got, expected[:, -1], atol=1e-5, rtol=1e-4)
 
 
 # ---- (v) fits on a DAR capture ------------------------------------------------------------------------
