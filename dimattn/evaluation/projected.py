@@ -100,7 +100,8 @@ def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_
             record["longctx"][corpus] = score_suite(model, path, batch_size)
     tasks = downstream_tasks(tasks, fields.get("d_prime", 0))  # a task's d_prime: the widths it scores
     # lm-eval scores the loaded model where a task is in its dtype; else it is freed first
-    if model is not None and not any(in_dtype(model, (task_defaults() | t)["dtype"]) for t in tasks):
+    defaults = task_defaults()
+    if model is not None and not any(in_dtype(model, (defaults | t)["dtype"]) for t in tasks):
         model = None
     if tasks:
         record.update(lm_eval_results(model_dir, tasks, batch_size, limit, device, metadata=metadata,

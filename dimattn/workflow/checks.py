@@ -257,7 +257,7 @@ def _check_top_k(p) -> None:
     given alone clears an earlier share); a fit the config gives no k keeps its objective's
     default (dimpo: the paper's share, 1/64; dimpo_list: k = 0). The list is the capture's
     sequence length, or Appendix B's sampled keys."""
-    hp = p.dimpo["hparams"]
+    hp, presets = p.dimpo["hparams"], dimpo_presets()
     base = {name: value for name, value in hp.items() if name not in ("preset", "per_objective", "setting")}
     for model in p.dimpo_models:
         seq_len = p.dimpo_capture(model)["seq_len"]
@@ -282,7 +282,7 @@ def _check_top_k(p) -> None:
                         values |= {"k": None, "k_share": None, name: layer[name]}
                         source = f"{key}.{name}"
                 values |= {name: layer[name] for name in ("lam", "num_sampled_keys") if name in layer}
-            own = dimpo_presets()["defaults"] | dimpo_presets()["objectives"].get(fit.objective, {})
+            own = presets["defaults"] | presets["objectives"].get(fit.objective, {})
             if source is None or values.get("lam", own["lam"]) == 0:
                 continue
             n_keys = key_list_length(seq_len, values.get("num_sampled_keys"))

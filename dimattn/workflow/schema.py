@@ -16,11 +16,17 @@ SCHEMA = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
 PRESETS = SCHEMA.with_name("dimpo_presets.yaml")
 
 
-@functools.cache
-def _schema() -> dict:
+def _load_yaml(text: str):
+    """yaml.safe_load through libyaml where PyYAML has it: the schema is read on the import path
+    of most jobs, and the C loader parses it in about an eighth of the time, to the same data."""
     import yaml
 
-    return yaml.safe_load(SCHEMA.read_text())
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+@functools.cache
+def _schema() -> dict:
+    return _load_yaml(SCHEMA.read_text())
 
 
 def schema() -> dict:
@@ -58,7 +64,7 @@ def _presets() -> dict:
     import yaml
 
     try:
-        data = yaml.safe_load(PRESETS.read_text())
+        data = _load_yaml(PRESETS.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise RuntimeError(f"{PRESETS}: cannot be read ({e})") from None
     rules = {"$ref": "#/$defs/dimpo_presets", "$defs": _schema()["$defs"]}
