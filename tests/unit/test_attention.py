@@ -29,20 +29,16 @@ def float64():
 
 
 def naive_dar(q, k_near, v_near, k_far, v_far, window):
-    """o_i = softmax(q_i K_i^T / sqrt(d_k)) V_i, with k_j, v_j near when i - j < w, else far."""
+    """o_i = softmax(q_i K_i^T / sqrt(d_k)) V_i, with k_j, v_j near when i - j < w, else far: one
+    query at a time, its key list K_i built position by position (batch and heads at once)."""
     B, H, T, D = q.shape
     out = torch.zeros_like(q)
-    for b in range(B):
-        for h in range(H):
-            for i in range(T):
-                keys, values = [], []
-                for j in range(i + 1):
-                    near = i - j < window
-                    keys.append(k_near[b, h, j] if near else k_far[b, h, j])
-                    values.append(v_near[b, h, j] if near else v_far[b, h, j])
-                K, V = torch.stack(keys), torch.stack(values)
-                weights = torch.softmax(K @ q[b, h, i] / math.sqrt(D), dim=0)
-                out[b, h, i] = weights @ V
+    for i in range(T):
+        near = [i - j < window for j in range(i + 1)]
+        K = torch.stack([(k_near if n else k_far)[:, :, j] for j, n in enumerate(near)], dim=2)
+        V = torch.stack([(v_near if n else v_far)[:, :, j] for j, n in enumerate(near)], dim=2)
+        weights = torch.softmax(q[:, :, i, None] @ K.transpose(-1, -2) / math.sqrt(D), dim=-1)
+        out[:, :, i] = (weights @ V)[:, :, 0]
     return out
 
 
