@@ -1,13 +1,16 @@
 """A saved run and a projected model load back through AutoModelForCausalLM with
 trust_remote_code in a fresh interpreter, the code saved beside the weights running there (as
 under lm-eval), one of them in a process that cannot import dimattn. End to end: each starts a
-Python process (their helpers: the unit tests' tiny models)."""
+Python process (their helpers: the unit tests' tiny models). And the DAR trajectory summary runs
+where torch and transformers cannot be imported (the report env)."""
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
+from reporting_fixtures import write_model_dirs
 from test_dar_dimpo import ids, random_affine
 from test_dar_dimpo import tiny as tiny_dar
 from test_model import tiny
@@ -79,3 +82,23 @@ def test_projected_dar_directory_loads_with_auto_model(tmp_path):
     assert out.returncode == 0, out.stderr
     got = torch.tensor(json.loads(out.stdout.strip().splitlines()[-1]))
     torch.testing.assert_close(got, expected[:, -1], atol=1e-5, rtol=1e-4)
+
+
+def test_summarize_trajectory_needs_no_torch(tmp_path):
+    """summarize_trajectory runs in the report conda env, which has no torch."""
+    dirs = write_model_dirs(tmp_path)
+    code = (
+        "import sys\n"
+        "class NoTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'transformers'):\n"
+        "            raise ImportError(f'{name} is not in the report environment')\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "from pathlib import Path\n"
+        "from dimattn.reporting import summaries\n"
+        f"summaries.summarize_trajectory([Path(p) for p in {[str(d) for d in dirs]!r}], Path({str(tmp_path / 't.csv')!r}))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2]
+    )
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -2,8 +2,6 @@
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -295,23 +293,3 @@ def test_read_names_the_file_and_the_missing_column(full, tmp_path, name, column
     pd.read_csv(summary_path(summary, name)).drop(columns=column).to_csv(path, index=False)
     with pytest.raises(ValueError, match=rf"{path.name}: missing column\(s\) \['{column}'\]"):
         summaries.read(path, name)
-
-
-def test_summarize_trajectory_needs_no_torch(tmp_path):
-    """summarize_trajectory runs in the report conda env, which has no torch."""
-    dirs = write_model_dirs(tmp_path)
-    code = (
-        "import sys\n"
-        "class NoTorch:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('torch', 'transformers'):\n"
-        "            raise ImportError(f'{name} is not in the report environment')\n"
-        "sys.meta_path.insert(0, NoTorch())\n"
-        "from pathlib import Path\n"
-        "from dimattn.reporting import summaries\n"
-        f"summaries.summarize_trajectory([Path(p) for p in {[str(d) for d in dirs]!r}], Path({str(tmp_path / 't.csv')!r}))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2]
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
