@@ -59,11 +59,10 @@ text is then token matching.
 
 Scoring (:func:`score_suite`): the prompt (through <|query|>) is prefilled into the model's KV
 cache, so SnapKV's observation window holds the question, and the answer is generated greedily
-through the cache, as many tokens as it has (lm-eval's RULER generates up to max_gen_toks,
-``until: []``); each generation is scored as lm-eval 0.4.13's RULER scores an example (the share
-of the answer's names found in the prediction: ``string_match_all``, and for qa
-``string_match_part``, which on one example is the same share), the mean per subtask, beside
-the exact match of the whole answer.
+through it, as many tokens as it has (lm-eval's RULER: up to max_gen_toks, ``until: []``); each
+generation is scored with lm-eval's RULER metrics (the share of the answer's names found in the
+prediction: ``string_match_all``; for qa ``string_match_part``, on one example the same share),
+the mean per subtask, beside the exact match of the whole answer.
 
 Settings a model cannot answer are refused when the settings are made, naming the setting: a
 needle depth outside the context, a seq_len beyond ``max_positions`` (the model's, where one is
@@ -71,28 +70,23 @@ given), more distinct keys, values or words than the vocabulary holds, or a cont
 for its needles, chains, documents or word counts.
 """
 
+import functools
+import importlib.util
 import math
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import numpy as np
 
 from dimattn.workflow.schema import dataset_defaults
 from dimattn.data.corpora import DataError
-from dimattn.data.recall import (
-    BOS_ID,
-    EOS_ID,
-    MAX_VOCAB,
-    QUERY_ID,
-    RECALL_SPECIALS,
-    cache_bytes_per_token,
-    decode_through_cache,
-)
-from dimattn.data.recall import load_synthetic_examples, split_rng, word_level_tokenizer, write_synthetic_corpus
+from dimattn.data.recall import BOS_ID, EOS_ID, MAX_VOCAB, QUERY_ID, RECALL_SPECIALS, cache_bytes_per_token
+from dimattn.data.recall import decode_through_cache, load_synthetic_examples, split_rng
+from dimattn.data.recall import word_level_tokenizer, write_synthetic_corpus
 from dimattn.workflow.sweeps import RULER_TASK  # there, torch-free: the reports read it
 
 SOURCE = "synthetic_longctx"
 SUBTASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa")
-# the lm-eval (0.4) RULER task each subtask is modelled on (seed 003 averages 13 of them)
 # lm-eval 0.4.13's RULER metric per subtask: process_results (string_match_all), and for its qa
 # tasks process_results_part (string_match_part), each on one example, then the mean.
 PART_SCORED = ("qa",)
@@ -571,12 +565,24 @@ def write_longctx_corpus(settings: LongContextSettings, out_dir) -> dict:
 # ---- scoring --------------------------------------------------------------------------------
 
 
-def example_score(task: str, prediction: str, references: list[str]) -> float:
-    """lm-eval's RULER score of one example (lm_eval.tasks.ruler.common_utils): the share of its
-    references found (case-insensitive substring) in the prediction."""
-    from lm_eval.tasks.ruler import common_utils
+@functools.cache
+def _ruler_metrics():
+    """lm-eval's ``lm_eval/tasks/ruler/common_utils.py``, loaded from its file: imported as a module it
+    first runs ``lm_eval.tasks``' ``__init__`` (the task registry), 4-5 s of a scoring job's start."""
+    import lm_eval
 
-    metric = common_utils.string_match_part if task in PART_SCORED else common_utils.string_match_all
+    path = Path(lm_eval.__file__).parent / "tasks" / "ruler" / "common_utils.py"
+    spec = importlib.util.spec_from_file_location("_ruler_common_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def example_score(task: str, prediction: str, references: list[str]) -> float:
+    """lm-eval's RULER score of one example (``lm_eval.tasks.ruler.common_utils``): the share of its
+    references found (case-insensitive substring) in the prediction."""
+    metrics = _ruler_metrics()
+    metric = metrics.string_match_part if task in PART_SCORED else metrics.string_match_all
     return float(metric([prediction], [references]))
 
 
@@ -618,8 +624,6 @@ def generate_answers(model, examples: np.ndarray, answers: list[tuple[str, int]]
 
 
 NEEDLE_BINS = 5  # needle-depth bins of the heat map: 0-20 % of the context, ... 80-100 %
-
-
 NEEDLE_TASKS = ("niah_single", "niah_multikey")  # one asked needle; multikey's among distractor needles
 
 

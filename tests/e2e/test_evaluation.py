@@ -116,6 +116,22 @@ def test_task_yamls_load_through_lm_evals_task_manager():
     assert "_dimattn_template_yaml" not in manager.all_tasks
 
 
+def test_the_suite_scores_with_lm_evals_ruler_metrics_loaded_from_their_file():
+    """dimattn.data.longctx loads lm-eval's RULER metrics from their file, skipping lm_eval.tasks'
+    registry: the same file as the package import's, and the same score on every case."""
+    from lm_eval.tasks.ruler import common_utils
+
+    from dimattn.data import longctx
+
+    loaded = longctx._ruler_metrics()
+    assert Path(loaded.__file__) == Path(common_utils.__file__)
+    cases = [("v01 v02", ["v01"]), ("V01 x", ["v01", "v03"]), ("w02", ["v02"]), ("", ["a", "b"])]
+    for task in ("qa", "niah_multivalue"):
+        metric = common_utils.string_match_part if task in longctx.PART_SCORED else common_utils.string_match_all
+        scores = [longctx.example_score(task, pred, refs) for pred, refs in cases]
+        assert scores == [float(metric([pred], [refs])) for pred, refs in cases] == [1.0, 0.5, 0.0, 0.0]
+
+
 def test_perplexity_measures_the_cache_of_one_window():
     """cache_bytes_per_token: what the model's own generation cache holds a token of a seq_len
     window, from its tensors: full keys and values (2 layers x 2 x 32 dims x 4 bytes), and DAR's

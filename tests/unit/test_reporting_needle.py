@@ -11,15 +11,18 @@ from reporting_fixtures import NEEDLE_SCORES as SCORES
 from reporting_fixtures import longctx_record as _record
 from reporting_fixtures import write_longctx_jsons, write_projected_suite_jsons
 
-@pytest.fixture
-def drawn(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def drawn(tmp_path_factory):
+    """The summary and the heat map drawn from it, once for the tests that read them."""
     from matplotlib.figure import Figure
 
+    tmp_path = tmp_path_factory.mktemp("needle")
     summaries.summarize_longctx_needle(write_longctx_jsons(tmp_path), tmp_path / "longctx_needle.csv")
     df = summaries.read(tmp_path / "longctx_needle.csv", "longctx_needle")
     saved, savefig = [], Figure.savefig
-    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), savefig(fig, *a, **k)))
-    long_context.figure(df, tmp_path / "needle.png")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), savefig(fig, *a, **k)))
+        long_context.figure(df, tmp_path / "needle.png")
     return df, saved[0]
 
 
