@@ -6,7 +6,7 @@ from dataclasses import field, make_dataclass, replace
 from typing import Any
 
 from dimattn.dimpo.objectives import get_objective
-from dimattn.workflow.schema import dimpo_presets, schema
+from dimattn.workflow.schema import dimpo_presets, schema, violation
 from dimattn.workflow.settings import from_mapping, resolve_top_k
 
 
@@ -14,19 +14,15 @@ from dimattn.workflow.settings import from_mapping, resolve_top_k
 
 _SOURCE = dimpo_presets()
 _FIELDS = schema()["$defs"]["fit_fields"]["properties"]
-_CHOICES = {"preset": tuple(_SOURCE["presets"])} | {n: tuple(f["enum"]) for n, f in _FIELDS.items() if "enum" in f}
 
 
 def _check(self):
-    for name, allowed in _CHOICES.items():
-        if getattr(self, name) not in allowed:
-            raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
-    for name in ("query_stride", "n_instances", "num_sampled_keys", "max_preferred", "steps"):
-        value = getattr(self, name)
-        if value is not None and int(value) < 1:
-            raise ValueError(f"{name}={value!r} must be >= 1 or None")
-    if self.k_share is not None and not 0 < self.k_share < 1:
-        raise ValueError(f"k_share={self.k_share!r} must lie in (0, 1) or be None")
+    # each field's type, choices and bounds are the schema's $defs/fit_fields, checked by jsonschema
+    if self.preset not in _SOURCE["presets"]:
+        raise ValueError(f"preset={self.preset!r} must be one of {tuple(_SOURCE['presets'])}")
+    problem = violation("fit_fields", {name: getattr(self, name) for name in _FIELDS})
+    if problem is not None:
+        raise ValueError(f"fit setting {problem}")
     if self.num_sampled_keys is not None and self.causal:
         raise ValueError("num_sampled_keys needs causal=False (Appendix B lists are non-causal)")
 

@@ -59,19 +59,34 @@ def defaults_at(*keys: str) -> dict:
 
 
 @functools.cache
-def _presets() -> dict:
+def _validator(definition: str):
     import jsonschema
+
+    return jsonschema.Draft202012Validator({"$ref": f"#/$defs/{definition}", "$defs": _schema()["$defs"]})
+
+
+def violation(definition: str, data) -> str | None:
+    """Why ``data`` breaks the schema's ``$defs/<definition>`` ("where: what", jsonschema's best
+    match), or None where it holds: settings built in code meet the bounds a config is held to."""
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(_validator(definition).iter_errors(data))
+    if error is None:
+        return None
+    return f"{'.'.join(map(str, error.absolute_path)) or 'the top level'}: {error.message}"
+
+
+@functools.cache
+def _presets() -> dict:
     import yaml
 
     try:
         data = _load_yaml(PRESETS.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise RuntimeError(f"{PRESETS}: cannot be read ({e})") from None
-    rules = {"$ref": "#/$defs/dimpo_presets", "$defs": _schema()["$defs"]}
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(rules).iter_errors(data))
-    if error is not None:
-        where = ".".join(map(str, error.absolute_path)) or "the top level"
-        raise RuntimeError(f"{PRESETS}: {where}: {error.message}")
+    problem = violation("dimpo_presets", data)
+    if problem is not None:
+        raise RuntimeError(f"{PRESETS}: {problem}")
     missing = sorted(set(_schema()["$defs"]["fit_fields"]["properties"]) - set(data["defaults"]))
     if missing:
         raise RuntimeError(f"{PRESETS}: defaults lacks {missing}: every fit field needs a value")

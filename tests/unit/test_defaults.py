@@ -103,6 +103,37 @@ def test_fit_settings_are_the_presets_file():
     assert vague == []
 
 
+def _outside(rule: dict):
+    """(a value the field's schema refuses, one at its bound that it takes) for each bound it has."""
+    if "enum" in rule:
+        yield "none of them", rule["enum"][0]
+    if "minimum" in rule:
+        yield rule["minimum"] - 1, rule["minimum"]
+    if "exclusiveMinimum" in rule:
+        yield rule["exclusiveMinimum"], rule["exclusiveMinimum"] + 0.5
+    if "exclusiveMaximum" in rule:
+        yield rule["exclusiveMaximum"], rule["exclusiveMaximum"] - 0.5
+
+
+FIT_BOUNDS = [(name, bad, good) for name, rule in schema()["$defs"]["fit_fields"]["properties"].items()
+              for bad, good in _outside(rule)]
+
+
+@pytest.mark.parametrize("name, bad, good", FIT_BOUNDS, ids=[f"{n}={b}" for n, b, _ in FIT_BOUNDS])
+def test_fit_settings_hold_the_schemas_bounds(name, bad, good):
+    """FitSettings built in code are held to the bounds and choices the schema gives a config's
+    hparams (checked against the schema itself, so no bound is written twice)."""
+    from dimattn.dimpo.fit_settings import FitSettings
+
+    assert getattr(FitSettings(**{name: good}), name) == good
+    with pytest.raises(ValueError, match=f"fit setting {name}: "):
+        FitSettings(**{name: bad})
+
+
+def test_the_fit_bounds_cover_every_bounded_field():
+    assert len(FIT_BOUNDS) >= 25 and {"k_share", "steps", "lr", "init"} <= {n for n, _, _ in FIT_BOUNDS}
+
+
 @pytest.mark.parametrize(
     "text, named",
     [
