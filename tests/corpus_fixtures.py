@@ -18,5 +18,5 @@ def token_corpus(root: Path, train_docs: int, validation_docs: int, words_per_do
         data.write_documents(docs, root / f"{split}.jsonl")
     data.train_tokenizer(root / "train.jsonl", vocab_size=300, out_dir=root / "tokenizer")
     for split in ("train", "validation"):
-        data.tokenize_documents(root / f"{split}.jsonl", root / "tokenizer", root / f"{split}.bin")
+        data.tokenize_documents(root / f"{split}.jsonl", root / "tokenizer", root / f"{split}.bin", 0)
     return root

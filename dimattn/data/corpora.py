@@ -458,7 +458,7 @@ def _batches(iterable, n: int):
         yield batch
 
 
-def tokenize_documents(jsonl, tokenizer_dir, out_bin, min_tokens: int = 0) -> dict:
+def tokenize_documents(jsonl, tokenizer_dir, out_bin, min_tokens: int) -> dict:
     """Encode every document, eos after each, into one flat token file plus a JSON sidecar.
 
     Documents shorter than min_tokens (eos not counted) are dropped. Returns the meta.

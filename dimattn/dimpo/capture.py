@@ -143,8 +143,8 @@ def token_windows(tokens_bin, seq_len: int, n_sequences: int):
     return torch.from_numpy(tokens[: seq_len * n_sequences].astype("int64").reshape(n_sequences, seq_len))
 
 
-def capture_to_file(source, documents, seq_len: int, n_sequences: int, out_path, model_name: str,
-                    device: str = "cpu", batch_size: int = 1, hparams=None) -> dict:
+def capture_to_file(source, documents, seq_len: int, n_sequences: int, out_path, model_name: str, *,
+                    device: str, hparams=None) -> dict:
     """Load the frozen model and tokenizer at ``source`` (our run directory or a hub name),
     capture q/k/v on windows of the jsonl ``documents`` (or of a token corpus ``.bin``, see
     :func:`token_windows`) and save them; returns the metadata.
@@ -167,7 +167,7 @@ def capture_to_file(source, documents, seq_len: int, n_sequences: int, out_path,
         ids = document_windows(AutoTokenizer.from_pretrained(source), texts, seq_len, n_sequences,
                                settings.special_tokens)
     model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=ours, dtype=dtype).to(device).eval()
-    capture = capture_qkv(model, ids, batch_size=batch_size)
+    capture = capture_qkv(model, ids, batch_size=1)  # one sequence a forward: the least memory, same outputs
     meta = {
         "model": model_name, "source": str(source), "documents": str(documents),
         "capture_dtype": settings.capture_dtype, "special_tokens": settings.special_tokens,

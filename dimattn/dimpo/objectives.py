@@ -120,7 +120,7 @@ class _ListwiseFunction(torch.autograd.Function):
         return grad * grad_loss[:, None], None, None, None, None, None, None, None
 
 
-def listwise_scores(logits, mask, beta: float = 1.0, eps: float = LIST_EPS):
+def listwise_scores(logits, mask, beta: float, eps: float = LIST_EPS):
     """s = beta log max(p, eps), p = Softmax(logits) over the valid keys; 0 at padding."""
     log_p = _masked_log_softmax(logits, mask)
     if eps > 0:
@@ -132,11 +132,12 @@ def listwise_loss(
     logits,
     psi,
     mask,
-    beta: float = 1.0,
-    gamma: float = 1e-4,
-    delta: str = "lambda",
-    normalise: str = "pairs",
-    max_preferred: int | None = None,
+    *,
+    beta: float,
+    gamma: float,
+    delta: str,
+    normalise: str,
+    max_preferred: int | None,
     reduce: bool = True,
 ):
     """L_list of seed 003 as the authors compute it (module docstring), mean over instances."""
@@ -161,7 +162,7 @@ def listwise_loss(
     return _reduced(per_instance, reduce)
 
 
-def head_loss(logits, psi, mask, k: int = 64, reduce: bool = True):
+def head_loss(logits, psi, mask, *, k: int, reduce: bool = True):
     """L_head = -sum_{i in top-k keys by psi} psi_i log p_i, p over all valid keys; mean over instances.
 
     k = 0 gives 0 (still connected to ``logits`` for autograd).
@@ -175,19 +176,19 @@ def head_loss(logits, psi, mask, k: int = 64, reduce: bool = True):
     return _reduced(-(psi.gather(-1, top) * log_p.gather(-1, top)).sum(-1), reduce)
 
 
-def dimpo_loss(logits, psi, mask, beta=1.0, gamma=1e-4, k=64, lam=1.0, delta="lambda", normalise="pairs",
-               max_preferred=None, reduce=True):
+def dimpo_loss(logits, psi, mask, *, beta, gamma, k, lam, delta, normalise, max_preferred, reduce=True):
     """DimPO = L_list + lambda L_head (seed 003, section 3.2); k = 0 or lambda = 0 drops the head."""
-    loss = listwise_loss(logits, psi, mask, beta, gamma, delta, normalise, max_preferred, reduce)
+    loss = listwise_loss(logits, psi, mask, beta=beta, gamma=gamma, delta=delta, normalise=normalise,
+                         max_preferred=max_preferred, reduce=reduce)
     if k > 0 and lam != 0:
-        loss = loss + lam * head_loss(logits, psi, mask, k, reduce)
+        loss = loss + lam * head_loss(logits, psi, mask, k=k, reduce=reduce)
     return loss
 
 
-def dimpo_kl_loss(logits, psi, mask, beta=1.0, gamma=1e-4, kl_weight=1.0, delta="lambda", normalise="pairs",
-                  max_preferred=None, reduce=True):
+def dimpo_kl_loss(logits, psi, mask, *, beta, gamma, kl_weight, delta, normalise, max_preferred, reduce=True):
     """DimPO (k = 0) + KL of Table 6: L_list + kl_weight KL(psi || p)."""
-    loss = listwise_loss(logits, psi, mask, beta, gamma, delta, normalise, max_preferred, reduce)
+    loss = listwise_loss(logits, psi, mask, beta=beta, gamma=gamma, delta=delta, normalise=normalise,
+                         max_preferred=max_preferred, reduce=reduce)
     return loss + kl_weight * kl_loss(logits, psi, mask, reduce)
 
 
@@ -199,26 +200,26 @@ def _pair_probs(s_w, s_l):
     return probs[..., 0].clamp(PROB_EPS, 1 - PROB_EPS), probs[..., 1].clamp(PROB_EPS, 1 - PROB_EPS)
 
 
-def simpo_loss(s_w, s_l, beta: float = 1.0, gamma: float = 1.0, reduce: bool = True):
+def simpo_loss(s_w, s_l, *, beta: float, gamma: float, reduce: bool = True):
     """SimPO: mean of -log sigmoid(beta (log p_w - log p_l) - gamma)."""
     p_w, p_l = _pair_probs(s_w, s_l)
     return _reduced(-F.logsigmoid(beta * (p_w.log() - p_l.log()) - gamma), reduce)
 
 
-def orpo_loss(s_w, s_l, lam: float = 0.1, reduce: bool = True):
+def orpo_loss(s_w, s_l, *, lam: float, reduce: bool = True):
     """ORPO: mean of -log p_w - lambda log sigmoid(logodds(p_w) - logodds(p_l))."""
     p_w, p_l = _pair_probs(s_w, s_l)
     odds = (p_w / (1 - p_w)).log() - (p_l / (1 - p_l)).log()
     return _reduced(-p_w.log() - lam * F.logsigmoid(odds), reduce)
 
 
-def cpo_loss(s_w, s_l, beta: float = 1.0, lam: float = 0.1, reduce: bool = True):
+def cpo_loss(s_w, s_l, *, beta: float, lam: float, reduce: bool = True):
     """CPO: mean of -log max(beta (log p_w - log p_l), 1e-6) - lambda log p_w."""
     p_w, p_l = _pair_probs(s_w, s_l)
     return _reduced(-(beta * (p_w.log() - p_l.log())).clamp(min=PROB_EPS).log() - lam * p_w.log(), reduce)
 
 
-def triplet_loss(anchor, positive, negative, margin: float = 0.1, reduce: bool = True):
+def triplet_loss(anchor, positive, negative, *, margin: float, reduce: bool = True):
     """Mongoose's triplet loss: torch's TripletMarginLoss (Euclidean, eps 1e-6, mean)."""
     return F.triplet_margin_loss(anchor, positive, negative, margin=margin, p=2,
                                  reduction="mean" if reduce else "none")
@@ -229,7 +230,7 @@ def triplet_loss(anchor, positive, negative, margin: float = 0.1, reduce: bool =
 PAIR_MODES = ("extreme", "all", "halves", "distance")
 
 
-def select_pairs(scores, mask, mode: str = "extreme", *, generator=None, num_pairs: int = 1, distance: int = 1):
+def select_pairs(scores, mask, mode: str, *, generator=None, num_pairs: int, distance: int):
     """(row, chosen, rejected) long tensors: pairs of key columns of ``scores`` (N, L), raw q.k.
 
     - ``extreme``: one pair a row, chosen = argmax, rejected = argmin over the valid keys
@@ -349,11 +350,11 @@ class Objective:
 
     def __call__(self, *tensors, hparams=None, reduce: bool = True):
         """The loss on one batch; hyperparameters from ``hparams`` (mapping or settings object),
-        else this objective's defaults, else the loss function's own defaults. ``reduce=False``:
-        one loss per row (instance or pair), whose mean is the loss."""
+        else this objective's defaults, else the presets file's (the loss functions have none).
+        ``reduce=False``: one loss per row (instance or pair), whose mean is the loss."""
         if self.loss is None:
             raise TypeError(f"objective {self.name!r} is closed-form and has no loss")
-        values = dict(self.defaults)
+        values = _DEFAULTS | dict(self.defaults)
         if isinstance(hparams, Mapping):
             values.update(hparams)
         elif hparams is not None:
@@ -364,6 +365,7 @@ class Objective:
 _LIST = ("beta", "gamma", "delta", "normalise", "max_preferred")
 # Each objective's own settings (the authors' lr, batch, margins): schemas/dimpo_presets.yaml.
 _OWN = dimpo_presets()["objectives"]
+_DEFAULTS = dimpo_presets()["defaults"]
 
 
 def _fit_random(queries, keys, d_prime, *, generator=None, center=True):

@@ -465,8 +465,8 @@ def _file_identity(path: Path) -> list:
 
 
 def fit_seeds_to_files(fit_capture, eval_capture, objective: str, d_prime: int, hparams, seeds, projections_out,
-                       fidelity_out, partial_dir, model_name: str, setting: str = "default",
-                       device: str = "cpu") -> None:
+                       fidelity_out, partial_dir, model_name: str, setting: str = "default", *,
+                       device: str) -> None:
     """One fit_projection job: :func:`fit_to_file` and :func:`fidelity_to_file` for each fit seed
     of ``seeds`` (dimpo.seeds) in turn, into ``projections_out[i]`` and ``fidelity_out[i]``.
 

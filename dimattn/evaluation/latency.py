@@ -101,7 +101,7 @@ def measure(base, projections: dict, prompt_len: int, new: int, repeats: int, de
 
 
 def latency_to_file(source: str, projections_path, out_json, model_name: str, prompt: int, new: int,
-                    repeats: int, device: str = "cpu") -> list[dict]:
+                    repeats: int, device: str) -> list[dict]:
     """The rows of :func:`measure` for the model at ``source`` (our run directory or a hub name)
     with the fitted projections at ``projections_path``, as JSON with the model's name."""
     from transformers import AutoModelForCausalLM

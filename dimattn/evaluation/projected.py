@@ -26,7 +26,7 @@ HUB_MODEL_SKIP = ["original/*"]
 
 
 def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_json: Path,
-             lm_eval_tasks: list[dict] = (), allow_unsafe_code: bool = False,
+             lm_eval_tasks: list[dict] = (), *, allow_unsafe_code: bool,
              ruler_qa_sources: dict | None = None) -> dict:
     """Fill the Hugging Face cache on a machine with network (a SLURM login node), so that compute
     nodes run offline: the files of each hub model that from_pretrained reads (HUB_MODEL_FILES),
@@ -64,10 +64,10 @@ def prefetch(models: list[str], tasks: list[dict], metadata: dict | None, out_js
 
 
 def score_projected(model_dir: Path, fields: dict, tokens: dict[str, Path], seq_len: int, batch_size: int,
-                    max_tokens: int | None, tasks: list[dict], limit: int | None, out_json: Path,
-                    metadata: dict | None = None, device: str = "cpu",
+                    max_tokens: int | None, tasks: list[dict], limit: int | None, out_json: Path, *,
+                    device: str, precision: str, metadata: dict | None = None,
                     recall: dict[str, Path] | None = None, partial_dir: Path | None = None,
-                    precision: str = "fp32", suite: dict[str, Path] | None = None) -> dict:
+                    suite: dict[str, Path] | None = None) -> dict:
     """A projected model directory (dimattn.model.modeling_projected) scored as our runs are: held-out
     perplexity per corpus ({corpus: tokens.bin}), the recall probe per synthetic corpus
     ({corpus: test tokens.bin}; the context prefilled and the questions decoded through the

@@ -31,7 +31,7 @@ MIN_LINE_CHARS = 20  # a next-line candidate: at least this long
 CONTEXT_LINES = 4  # lines of context before the line to choose
 
 
-def load_model(model_dir: Path, device: str = "cpu"):
+def load_model(model_dir: Path, device: str):
     # Our own directory: trust_remote_code runs the modeling file saved beside the weights.
     model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True)
     return model.to(device).eval()
@@ -71,8 +71,8 @@ def perplexity(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_tok
 
 
 def evaluate_perplexity(model_dir: Path, tokens_bin: Path, corpus: str, seq_len: int, batch_size: int,
-                        max_tokens: int | None, out_json: Path, device: str = "cpu", model=None,
-                        precision: str = "fp32") -> dict:
+                        max_tokens: int | None, out_json: Path, *, device: str, precision: str,
+                        model=None) -> dict:
     """``model``: model_dir already loaded (load_model), so that one job loads it once."""
     tokens, _ = load_tokens(tokens_bin)
     model = load_model(model_dir, device) if model is None else model
@@ -305,7 +305,7 @@ def lm_eval_results(model_dir: Path, tasks: list[dict], batch_size: int, limit: 
             | ({"context_filter": filtered} if min_context else {}))
 
 
-def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: str = "cpu",
+def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: str,
                     distance_bins: list[int] | None = None, corpus: str = "recall",
                     max_examples: int | None = None) -> dict:
     """Recall accuracy (:func:`dimattn.data.recall.score_recall`) of the run at model_dir, as JSON."""
@@ -321,7 +321,7 @@ def evaluate_recall(model_dir, tokens_bin, out_json, batch_size: int, device: st
     return result
 
 
-def evaluate_longctx(model_dir, tokens_bin, out_json, batch_size: int, device: str = "cpu", corpus: str = "longctx",
+def evaluate_longctx(model_dir, tokens_bin, out_json, batch_size: int, device: str, corpus: str = "longctx",
                      max_examples: int | None = None) -> dict:
     """The long-context suite's scores (:func:`dimattn.data.longctx.score_suite`) of the run at
     model_dir on one suite corpus, as JSON."""
@@ -348,10 +348,9 @@ def _without_env_info():
     finally:
         lm_eval.evaluator.add_env_info = kept
 
-def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path,
-                device: str = "cpu", dtype: str = "float32", allow_unsafe_code: bool = False,
-                partial_dir: Path | None = None, exclude_shorter_than_window: bool = False, model=None,
-                precision: str = "fp32") -> dict:
+def run_lm_eval(model_dir: Path, tasks: list[dict], batch_size: int, limit: int | None, out_json: Path, *,
+                device: str, dtype: str, allow_unsafe_code: bool, exclude_shorter_than_window: bool, precision: str,
+                partial_dir: Path | None = None, model=None) -> dict:
     """lm_eval_results of one of our runs, with its run fields, as JSON; the per-task partial
     results (``partial_dir``) are removed once the whole record is written.
     ``exclude_shorter_than_window``: seed 000 Table 4's filter at the run's window (a run without

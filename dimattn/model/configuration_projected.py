@@ -53,7 +53,7 @@ class ProjectedConfig(PretrainedConfig):
         self.base_trust_remote_code = base_trust_remote_code
 
 
-def save_projected_model(out_dir, base_model: str, projections_path, num_projected: int, scale: str = "d_prime",
+def save_projected_model(out_dir, base_model: str, projections_path, num_projected: int, scale: str,
                          kv: dict | None = None, meta: dict | None = None) -> Path:
     """Write a projected model directory at ``out_dir`` (atomically): config, projections,
     tokenizer, and the loader (dimattn.model.modeling_projected and what it imports). ``base_model``: our run directory or a hub name; the base

@@ -436,7 +436,7 @@ def pretrain(
     tokenizer_dir: Path,
     out_dir: Path,
     checkpoint_dir: Path,
-    device: str = "cpu",
+    device: str,
 ) -> Path:
     """Train one run; write a save_pretrained directory with the tokenizer and metrics.csv.
 
@@ -585,7 +585,7 @@ def _export(model, tokenizer, train_cfg: TrainConfig, rows: list, out_dir: Path,
 def launch_command(
     cli_args: list[str],
     nproc: int,
-    nodes: int = 1,
+    nodes: int,
     *,
     rdzv_host: str | None = None,
     rdzv_id: str = "dimattn",

@@ -18,6 +18,9 @@ from dimattn.workflow.runs import run_metadata
 from dimattn.model.variants import RUN_FIELDS
 
 REPO = Path(__file__).resolve().parents[2]
+# The jobs' entry points take every value the config holds; these are the CPU tiers'.
+LM_EVAL = dict(device="cpu", dtype="float32", allow_unsafe_code=False, exclude_shorter_than_window=False,
+               precision="fp32")
 
 
 def tiny_model(**kw):
@@ -204,7 +207,7 @@ def test_each_lm_eval_task_is_kept_as_it_finishes_and_a_rerun_scores_only_the_mi
     monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
     tasks = [{"name": evaluation.NEXT_LINE_TASK}, {"name": evaluation.HELDOUT_TASK}]
     partial, out = tmp_path / "checkpoints/tiny-vanilla/lm_eval", tmp_path / "lm_eval.json"
-    kw = dict(model_dir=scored_run, tasks=tasks, batch_size=2, limit=2, out_json=out, partial_dir=partial)
+    kw = dict(model_dir=scored_run, tasks=tasks, batch_size=2, limit=2, out_json=out, partial_dir=partial, **LM_EVAL)
     with pytest.raises(RuntimeError, match=f"{evaluation.HELDOUT_TASK}.*a rerun scores only the failed"):
         evaluation.run_lm_eval(**kw)
     assert not out.exists() and sorted(p.name for p in partial.iterdir()) == [f"{evaluation.NEXT_LINE_TASK}.json"]
@@ -212,7 +215,7 @@ def test_each_lm_eval_task_is_kept_as_it_finishes_and_a_rerun_scores_only_the_mi
     assert {c[0][0] for c in calls} == {evaluation.HELDOUT_TASK, evaluation.NEXT_LINE_TASK}
     assert not any(c[1] for c in calls) and "HF_ALLOW_CODE_EVAL" not in __import__("os").environ
     calls.clear()
-    record = evaluation.run_lm_eval(**kw, allow_unsafe_code=True)
+    record = evaluation.run_lm_eval(**(kw | {"allow_unsafe_code": True}))
     assert calls == [([evaluation.HELDOUT_TASK], True)]  # the kept task is not scored again
     assert __import__("os").environ["HF_ALLOW_CODE_EVAL"] == "1"
     assert not partial.exists() and json.loads(out.read_text()) == record
@@ -242,7 +245,7 @@ def test_a_projected_model_keeps_each_lm_eval_task_as_it_finishes(scored_run, tm
     tasks = [{"name": evaluation.NEXT_LINE_TASK}, {"name": evaluation.HELDOUT_TASK}]
     partial, out = tmp_path / "checkpoints/projected", tmp_path / "downstream.json"
     kw = dict(model_dir=scored_run, fields={"objective": "base", "d_prime": 0}, tokens={}, seq_len=64, batch_size=2,
-              max_tokens=None, tasks=tasks, limit=2, out_json=out, partial_dir=partial)
+              max_tokens=None, tasks=tasks, limit=2, out_json=out, partial_dir=partial, device="cpu", precision="fp32")
     with pytest.raises(RuntimeError, match=evaluation.HELDOUT_TASK):
         score_projected(**kw)
     assert not out.exists() and [p.name for p in partial.iterdir()] == [f"{evaluation.NEXT_LINE_TASK}.json"]
@@ -342,7 +345,7 @@ def test_lm_eval_scores_the_loaded_model_for_tasks_in_its_dtype(scored_run, monk
 
     tasks = [{"name": evaluation.NEXT_LINE_TASK}, {"name": evaluation.HELDOUT_TASK}]
     from_dir = evaluation.lm_eval_results(scored_run, tasks, 2, 2)
-    model, loads = evaluation.load_model(scored_run), []
+    model, loads = evaluation.load_model(scored_run, "cpu"), []
     real = transformers.AutoModelForCausalLM.from_pretrained
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **kw: loads.append(kw.get("dtype")) or real(*a, **kw))
@@ -375,7 +378,8 @@ def test_table4_scores_only_documents_whose_context_reaches_the_window(scored_ru
     with pytest.raises(RuntimeError, match="no document.s context has 10000 tokens"):
         evaluation.lm_eval_results(scored_run, tasks, 2, None, min_context=10_000)
     # run_lm_eval takes the window from the run: a vanilla run has none, so keeps every document
-    record = evaluation.run_lm_eval(scored_run, tasks, 2, None, tmp_path / "out.json", exclude_shorter_than_window=True)
+    record = evaluation.run_lm_eval(scored_run, tasks, 2, None, tmp_path / "out.json",
+                                    **(LM_EVAL | {"exclude_shorter_than_window": True}))
     assert record["window"] is None and "context_filter" not in record and record["results"] == full["results"]
 
 

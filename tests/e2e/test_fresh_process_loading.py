@@ -63,7 +63,7 @@ def test_projected_dar_directory_loads_with_auto_model(tmp_path):
     model.save_pretrained(tmp_path / "run")
     proj = random_affine()
     save_projections({0: random_affine(seed=5), 1: proj}, tmp_path / "p.safetensors", {"objective": "kl", "seed": 0})
-    save_projected_model(tmp_path / "projected", str(tmp_path / "run"), tmp_path / "p.safetensors", num_projected=1)
+    save_projected_model(tmp_path / "projected", str(tmp_path / "run"), tmp_path / "p.safetensors", num_projected=1, scale="d_prime")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "projected", trust_remote_code=True).eval()
     reference = attach_projections(model, {1: proj}, 1)
     x = ids()

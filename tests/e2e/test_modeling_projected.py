@@ -236,7 +236,7 @@ def test_writing_a_projected_directory_needs_no_modeling_stack(directories, tmp_
     base_dir, projections_path, _ = directories["llama"]
     code = (
         "import sys; from dimattn.model.configuration_projected import save_projected_model; "
-        f"save_projected_model({str(tmp_path / 'p')!r}, {str(base_dir)!r}, {str(projections_path)!r}, 2); "
+        f"save_projected_model({str(tmp_path / 'p')!r}, {str(base_dir)!r}, {str(projections_path)!r}, 2, 'd_prime'); "
         "heavy = [m for m in ('transformers.modeling_utils', 'dimattn.model.modeling_projected') if m in sys.modules]; "
         "assert not heavy, heavy"
     )
@@ -247,7 +247,7 @@ def test_writing_a_projected_directory_needs_no_modeling_stack(directories, tmp_
 def test_save_refuses_more_layers_than_the_model_has(directories, tmp_path):
     base_dir, projections_path, _ = directories["llama"]
     with pytest.raises(ValueError, match="cannot project 5 of 3 layers"):
-        save_projected_model(tmp_path / "bad", str(base_dir), projections_path, num_projected=5)
+        save_projected_model(tmp_path / "bad", str(base_dir), projections_path, num_projected=5, scale="d_prime")
     assert not (tmp_path / "bad").exists()
 
 
@@ -374,7 +374,8 @@ def test_lm_eval_cli_scores_a_projected_tiny_llama_on_our_task_and_ruler(tmp_pat
                                          max_position_embeddings=4096, bos_token_id=1, eos_token_id=2))
     model.save_pretrained(base)
     save_projections(random_projections(model), tmp_path / "p.safetensors", {"objective": "kl", "seed": 0})
-    projected = save_projected_model(tmp_path / "projected", str(base), tmp_path / "p.safetensors", num_projected=1)
+    projected = save_projected_model(tmp_path / "projected", str(base), tmp_path / "p.safetensors", num_projected=1,
+                                     scale="d_prime")
     docs = tmp_path / "docs.jsonl"
     lines = "\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(8)) for i in range(60))
     docs.write_text(json.dumps({"id": "d0", "text": lines}) + "\n")

@@ -582,6 +582,7 @@ def test_file_steps_end_to_end(tmp_path):
         n_sequences=5,
         out_path=tmp_path / "capture.safetensors",
         model_name="tiny",
+        device="cpu",
         hparams=hparams,
     )
     assert meta["n_sequences"] == 5 and meta["seq_len"] == 32 and meta["model"] == "tiny"
@@ -621,6 +622,7 @@ def test_file_steps_end_to_end(tmp_path):
             n_sequences=500,
             out_path=tmp_path / "x.safetensors",
             model_name="tiny",
+            device="cpu",
         )
 
 
@@ -724,7 +726,7 @@ def test_fit_seeds_to_files_fits_each_seed_as_its_own_job_did_and_a_retry_refits
     partial = tmp_path / "partial"
     args = (tmp_path / "fit.safetensors", tmp_path / "eval.safetensors", "kl", 4)
 
-    P.fit_seeds_to_files(*args, hp, seeds, outs, csvs, partial, "synthetic", setting="default")
+    P.fit_seeds_to_files(*args, hp, seeds, outs, csvs, partial, "synthetic", setting="default", device="cpu")
     assert not partial.exists()  # removed once every output is written
     for seed, out, csv_path in zip(seeds, outs, csvs):
         P.fit_to_file(tmp_path / "fit.safetensors", "kl", 4, {**hp, "seed": seed}, tmp_path / "alone.safetensors")
@@ -751,21 +753,21 @@ def test_fit_seeds_to_files_fits_each_seed_as_its_own_job_did_and_a_retry_refits
     first = outs[0].read_bytes()
     for attempt_hp in (hp, {**hp, "lr": 2e-2}):  # the second: other hparams, so seed 0 is refitted
         with pytest.raises(RuntimeError, match="killed"):
-            P.fit_seeds_to_files(*args, attempt_hp, seeds, outs, csvs, partial, "synthetic")
+            P.fit_seeds_to_files(*args, attempt_hp, seeds, outs, csvs, partial, "synthetic", device="cpu")
         assert (partial / "s0" / "spec.json").is_file() and not (partial / "s5" / "spec.json").exists()
     assert fitted == [0, 5, 0, 5]
     fail.clear()
     for out in outs:
         out.unlink()  # Snakemake deletes a failed job's outputs
-    P.fit_seeds_to_files(*args, hp, seeds, outs, csvs, partial, "synthetic")
+    P.fit_seeds_to_files(*args, hp, seeds, outs, csvs, partial, "synthetic", device="cpu")
     assert fitted == [0, 5, 0, 5, 0, 5]  # seed 0 kept under lr 2e-2 is not taken for lr 1e-2
     assert outs[0].read_bytes() == first and not partial.exists()
     with pytest.raises(RuntimeError, match="killed"):
         fail.add(5)
-        P.fit_seeds_to_files(*args, hp, seeds, outs, csvs, partial, "synthetic")
+        P.fit_seeds_to_files(*args, hp, seeds, outs, csvs, partial, "synthetic", device="cpu")
     fail.clear()
-    P.fit_seeds_to_files(*args, hp, seeds, outs, csvs, partial, "synthetic")
+    P.fit_seeds_to_files(*args, hp, seeds, outs, csvs, partial, "synthetic", device="cpu")
     assert fitted[-3:] == [0, 5, 5]  # the retry fits seed 5 alone
     assert outs[0].read_bytes() == first
     with pytest.raises(ValueError, match="2 seeds for 1 projection"):
-        P.fit_seeds_to_files(*args, hp, seeds, outs[:1], csvs, partial, "synthetic")
+        P.fit_seeds_to_files(*args, hp, seeds, outs[:1], csvs, partial, "synthetic", device="cpu")

@@ -50,7 +50,7 @@ def corpus(tmp_path_factory):
 
 def train(corpus, root: Path, cfg: TrainConfig = CFG, model=MODEL, run="run") -> Path:
     return pretrain(model, cfg, corpus / "train.bin", corpus / "validation.bin", corpus / "tokenizer",
-                    root / "models" / run, root / "checkpoints" / run)
+                    root / "models" / run, root / "checkpoints" / run, "cpu")
 
 
 def cli_args(corpus, root: Path, spec_path: Path, run="run") -> list[str]:
@@ -129,7 +129,7 @@ def test_grad_accumulation_matches_one_big_batch(corpus, reference, tmp_path, mo
 
 def test_ddp_on_two_processes_matches_one_process(corpus, reference, tmp_path):
     """torchrun, gloo, 2 ranks x micro-batch 4: the same global batch of 8 as the reference."""
-    cmd = launch_command(cli_args(corpus, tmp_path, write_spec(tmp_path / "spec.json", CFG)), nproc=2)
+    cmd = launch_command(cli_args(corpus, tmp_path, write_spec(tmp_path / "spec.json", CFG)), nproc=2, nodes=1)
     out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     ddp_dir = tmp_path / "models" / "run"
@@ -144,7 +144,7 @@ def test_ddp_on_two_processes_matches_one_process(corpus, reference, tmp_path):
 
 def test_launch_command_for_one_node_and_for_several():
     args = ["--spec", "s.json"]
-    assert launch_command(args, nproc=4, python="py") == [
+    assert launch_command(args, nproc=4, nodes=1, python="py") == [
         "py",
         "-m",
         "torch.distributed.run",
@@ -300,11 +300,11 @@ def test_windows_are_whole_examples_when_the_corpus_has_example_len(corpus, tmp_
 
     aligned = {"train": tmp_path / "train.bin", "validation": tmp_path / "validation.bin"}
     out = pretrain(MODEL, replace(cfg, batch_size=8, max_steps=2), aligned["train"], aligned["validation"],
-                   corpus / "tokenizer", tmp_path / "models/run", tmp_path / "checkpoints/run")
+                   corpus / "tokenizer", tmp_path / "models/run", tmp_path / "checkpoints/run", "cpu")
     assert len(pd.read_csv(out / "metrics.csv")) == 2
     with pytest.raises(TrainingError, match=r"example_len.*seq_len must be 16, got 32"):
         pretrain(MODEL, replace(cfg, seq_len=32), aligned["train"], aligned["validation"], corpus / "tokenizer",
-                 tmp_path / "models/other", tmp_path / "checkpoints/other")
+                 tmp_path / "models/other", tmp_path / "checkpoints/other", "cpu")
 
 
 def test_benchmark_sums_snakemake_benchmark_files_per_rule(tmp_path, capsys):

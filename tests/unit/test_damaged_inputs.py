@@ -104,7 +104,7 @@ def test_truncated_token_file_stops_training_before_it_starts(corpus, tmp_path):
     (root / "train.bin").write_bytes((root / "train.bin").read_bytes()[:-3])
     with pytest.raises(DataError, match=r"train\.bin has \d+ bytes, its meta says \d+ uint16 tokens"):
         pretrain(MODEL, CFG, root / "train.bin", root / "validation.bin", corpus / "tokenizer",
-                 tmp_path / "models" / "run", tmp_path / "checkpoints" / "run")
+                 tmp_path / "models" / "run", tmp_path / "checkpoints" / "run", "cpu")
     assert not (tmp_path / "models").exists() and not (tmp_path / "checkpoints").exists()
 
 
@@ -119,7 +119,7 @@ def finished(corpus, tmp_path_factory):
     """A finished run: its exported model and its last checkpoint (step 2 of 2)."""
     root = tmp_path_factory.mktemp("finished")
     pretrain(MODEL, CFG, corpus / "train.bin", corpus / "validation.bin", corpus / "tokenizer",
-             root / "models" / "run", root / "checkpoints" / "run")
+             root / "models" / "run", root / "checkpoints" / "run", "cpu")
     return root
 
 
@@ -246,7 +246,7 @@ def test_damaged_checkpoint_is_refused_before_training_and_nothing_is_lost(corpu
     before = snapshot(work)
     with pytest.raises(TrainingError, match=pattern) as e:
         pretrain(MODEL, CFG, corpus / "train.bin", corpus / "validation.bin", corpus / "tokenizer",
-                 work / "models" / "run", work / "checkpoints" / "run")
+                 work / "models" / "run", work / "checkpoints" / "run", "cpu")
     assert str(ckpt) in str(e.value)
     assert snapshot(work) == before and temp_siblings(work) == []  # the model, metrics, checkpoint: untouched
 
@@ -257,7 +257,7 @@ def test_a_sound_checkpoint_made_here_resumes(corpus, tmp_path):
     ckpt.parent.mkdir(parents=True)
     write_checkpoint(ckpt, fresh_state(corpus))
     out = pretrain(MODEL, CFG, corpus / "train.bin", corpus / "validation.bin", corpus / "tokenizer",
-                   tmp_path / "models" / "run", tmp_path / "checkpoints" / "run")
+                   tmp_path / "models" / "run", tmp_path / "checkpoints" / "run", "cpu")
     rows = (out / "metrics.csv").read_text().splitlines()
     assert rows[1].startswith("1,64,0.003,5.0,") and rows[2].startswith("2,128,")  # step 1 from the checkpoint
 

@@ -563,7 +563,7 @@ def test_tokenize_documents_matches_reencoding(tokenizer_dir, tmp_path):
 
     docs = [{"id": f"doc{i}", "text": t} for i, t in enumerate(ROUND_TRIP)]
     data.write_documents(docs, tmp_path / "docs.jsonl")
-    meta = data.tokenize_documents(tmp_path / "docs.jsonl", tokenizer_dir, tmp_path / "docs.bin")
+    meta = data.tokenize_documents(tmp_path / "docs.jsonl", tokenizer_dir, tmp_path / "docs.bin", 0)
     tokens, loaded = data.load_tokens(tmp_path / "docs.bin")
     assert loaded == meta and tokens.dtype == np.uint16 and not tokens.flags.writeable
     assert meta["dtype"] == "uint16" and meta["eos_token_id"] == 0 and meta["vocab_size"] == 320
@@ -608,7 +608,7 @@ def test_tokenize_documents_uses_uint32_for_large_vocabularies(tmp_path):
         tmp_path / "tok"
     )
     data.write_documents([{"id": "a", "text": "w69999 w1"}], tmp_path / "docs.jsonl")
-    data.tokenize_documents(tmp_path / "docs.jsonl", tmp_path / "tok", tmp_path / "docs.bin")
+    data.tokenize_documents(tmp_path / "docs.jsonl", tmp_path / "tok", tmp_path / "docs.bin", 0)
     tokens, meta = data.load_tokens(tmp_path / "docs.bin")
     assert tokens.dtype == np.uint32 and meta["dtype"] == "uint32"
     assert tokens.tolist() == [70_000, 2, 0]
@@ -616,7 +616,7 @@ def test_tokenize_documents_uses_uint32_for_large_vocabularies(tmp_path):
 
 def test_load_tokens_rejects_truncated_file_and_missing_meta(tokenizer_dir, tmp_path):
     data.write_documents([{"id": "a", "text": VERSE}], tmp_path / "docs.jsonl")
-    data.tokenize_documents(tmp_path / "docs.jsonl", tokenizer_dir, tmp_path / "docs.bin")
+    data.tokenize_documents(tmp_path / "docs.jsonl", tokenizer_dir, tmp_path / "docs.bin", 0)
     raw = (tmp_path / "docs.bin").read_bytes()
     assert len(raw) == 2 * json.loads((tmp_path / "docs.json").read_text())["n_tokens"]
     (tmp_path / "docs.bin").write_bytes(raw[:-2])

@@ -1,6 +1,7 @@
 """One home for defaults: the schema (schemas/config.schema.yaml) and DimPO's presets file beside
 it (schemas/dimpo_presets.yaml). The settings classes read their defaults from there, and no code
-restates one, as a literal class default or as a ``.get(key, default)`` fallback."""
+restates one, as a literal class default, a ``.get(key, default)`` fallback or a keyword default of a
+function a job calls."""
 
 import ast
 from dataclasses import MISSING, fields
@@ -37,11 +38,49 @@ def _same(key, value) -> bool:
     return any(type(value) is type(d) and value == d for d in DEFAULTED.get(key, ()))
 
 
-def _restated(path: Path, root: Path = REPO) -> list[str]:
-    """``.get("key", <literal>)`` and class-level ``key: T = <literal>`` restating a default.
-    (A function's keyword defaults are its API's: the jobs pass every value the config holds.)"""
-    found = []
+def _keyword_defaults(node: ast.FunctionDef):
+    """(parameter, default) of each parameter of ``node`` that has a default."""
+    a = node.args
+    positional = a.posonlyargs + a.args
+    yield from zip(positional[len(positional) - len(a.defaults):], a.defaults)
+    yield from ((arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None)
+
+
+def _entry_points() -> dict[Path, set[str]]:
+    """{module file: names} of the functions the jobs' scripts call: a name imported from a module
+    of the package, or an attribute of such a module imported by name (``scoring.evaluate_recall``)."""
+    out: dict[Path, set[str]] = {}
+    for script in (REPO / "workflow_scripts").glob("*.py"):
+        tree, modules = ast.parse(script.read_text()), {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dimattn"):
+                base = REPO.joinpath(*node.module.split("."))
+                for alias in node.names:
+                    if base.joinpath(alias.name).with_suffix(".py").exists():
+                        modules[alias.asname or alias.name] = base.joinpath(alias.name).with_suffix(".py")
+                    else:
+                        out.setdefault(base.with_suffix(".py"), set()).add(alias.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+                out.setdefault(modules[node.value.id], set()).add(node.attr)
+    return out
+
+
+ENTRY_POINTS = _entry_points()
+
+
+def _restated(path: Path, root: Path = REPO, entry_points=ENTRY_POINTS) -> list[str]:
+    """``.get("key", <literal>)``, class-level ``key: T = <literal>``, and a keyword default
+    ``key=<literal>`` of a function a job calls, restating a default. (The jobs pass such a function
+    every value the config holds, so a default there is a second home; other functions' keyword
+    defaults are their API's, and dimattn/model/ is self-contained: it loads beside a checkpoint,
+    where there is no schema.)"""
+    found, called = [], entry_points.get(path, set())
     for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef) and node.name in called:
+            found += [f"{path.relative_to(root)}:{node.lineno} {node.name}({arg.arg}={d.value!r})"
+                      for arg, d in _keyword_defaults(node)
+                      if isinstance(d, ast.Constant) and _same(arg.arg, d.value)]
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
                 and len(node.args) == 2 and isinstance(node.args[0], ast.Constant)
                 and isinstance(node.args[1], ast.Constant) and _same(node.args[0].value, node.args[1].value)):
@@ -71,8 +110,19 @@ def test_no_code_restates_a_schema_default():
 def test_the_check_finds_a_restated_default(tmp_path):
     """The scan above is not vacuous: both forms of a restated default are caught."""
     bad = tmp_path / "bad.py"
-    bad.write_text("class S:\n    n_pairs: int = 8\n\ndef f(c):\n    return c.get('streaming', True)\n")
-    assert sorted(_restated(bad, tmp_path)) == ["bad.py:2 S.n_pairs = 8", "bad.py:5 .get('streaming', True)"]
+    bad.write_text("class S:\n    n_pairs: int = 8\n\ndef f(c):\n    return c.get('streaming', True)\n\n"
+                   "def job(x, device='cpu', *, seed=0):\n    pass\n")
+    assert sorted(_restated(bad, tmp_path, {bad: {"job"}})) == [
+        "bad.py:2 S.n_pairs = 8", "bad.py:5 .get('streaming', True)", "bad.py:7 job(device='cpu')", "bad.py:7 job(seed=0)"]
+    assert sorted(_restated(bad, tmp_path, {})) == ["bad.py:2 S.n_pairs = 8", "bad.py:5 .get('streaming', True)"]
+
+
+def test_the_jobs_entry_points_are_found():
+    """The scan above sees the functions the scripts call, by either form of import."""
+    found = {path.relative_to(REPO).as_posix(): names for path, names in ENTRY_POINTS.items()}
+    assert {"evaluate_recall", "evaluate_longctx"} <= found["dimattn/evaluation/scoring.py"]  # as module.attr
+    assert {"fit_seeds_to_files"} <= found["dimattn/dimpo/projections.py"]
+    assert {"pretrain", "launch_command"} <= found["dimattn/pretraining/training.py"]
 
 
 @pytest.mark.parametrize("module, cls, source", [("dimattn.data.recall", "RecallSettings", "synthetic_recall"),

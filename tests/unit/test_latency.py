@@ -90,7 +90,7 @@ def test_latency_to_file_measures_a_run_directory_with_its_fitted_projections(tm
     save_projections({i: Affine(torch.randn(D_PRIME, 16), torch.zeros(D_PRIME)) for i in range(2)},
                      tmp_path / "p.safetensors")
     rows = latency_to_file(str(tmp_path / "run"), tmp_path / "p.safetensors", tmp_path / "latency.json", "tiny",
-                           prompt=32, new=2, repeats=1)
+                           prompt=32, new=2, repeats=1, device="cpu")
     assert json.loads((tmp_path / "latency.json").read_text()) == rows
     assert [r["setting"] for r in rows] == ["base", "snapkv", "dimpo l=1", "dimpo l=2", "dimpo l=2 + snapkv"]
     assert {r["model"] for r in rows} == {"tiny"} and {r["d_prime"] for r in rows} == {D_PRIME}

@@ -354,7 +354,7 @@ def test_greedy_generation_through_the_cache_is_naive_greedy(tmp_path):
     model.register_for_auto_class("AutoModelForCausalLM")
     model.save_pretrained(tmp_path / "long-vanilla")
     record = evaluate_longctx(tmp_path / "long-vanilla", tmp_path / "suite/tokens/test.bin", tmp_path / "s.json", 8,
-                              corpus="suite")
+                              "cpu", corpus="suite")
     assert record["subtasks"] == result["subtasks"] and record["run"] == "long-vanilla" and record["corpus"] == "suite"
     df = summarize_longctx([tmp_path / "s.json"], tmp_path / "longctx.csv")
     assert list(df["subtask"]) == [*s.subtasks, "average"] and (df["seq_len"] == 48).all()
@@ -432,15 +432,15 @@ def test_score_projected_scores_the_suite_through_a_projected_directory(tmp_path
     save_projections({i: Affine(torch.randn(8, 16, generator=g), torch.zeros(8)) for i in range(2)},
                      tmp_path / "p.safetensors", {"objective": "kl", "d_prime": 8})
     model_dir = save_projected_model(tmp_path / "projected", str(tmp_path / "run"), tmp_path / "p.safetensors",
-                                     num_projected=1, kv={"snapkv": {"budget": 16, "window": 4, "kernel": 3}})
+                                     num_projected=1, scale="d_prime", kv={"snapkv": {"budget": 16, "window": 4, "kernel": 3}})
     fields = {"model": "long-vanilla", "objective": "kl", "setting": "default", "d_prime": 8, "num_projected": 1,
               "n_layers": 2, "scale": "long", "kv": "snapkv16", "kv_method": "snapkv", "kv_level": 16, "seed": 0}
-    kw = dict(tokens={}, seq_len=48, batch_size=4, max_tokens=None, tasks=[], limit=None)
+    kw = dict(tokens={}, seq_len=48, batch_size=4, max_tokens=None, tasks=[], limit=None, device="cpu", precision="fp32")
     record = score_projected(model_dir, fields, **kw, out_json=tmp_path / "out.json", suite=suites)
     for corpus, path in suites.items():
-        assert record["longctx"][corpus] == score_suite(load_model(model_dir), path, batch_size=4)
+        assert record["longctx"][corpus] == score_suite(load_model(model_dir, "cpu"), path, batch_size=4)
     assert [record["longctx"][c]["seq_len"] for c in suites] == [48, 96]
-    plain = score_suite(load_model(tmp_path / "run"), suites["suite96"], batch_size=4)
+    plain = score_suite(load_model(tmp_path / "run", "cpu"), suites["suite96"], batch_size=4)
     assert plain["subtasks"] != record["longctx"]["suite96"]["subtasks"]  # projection and SnapKV act
     # and hold fewer bytes: keys d' = 8 of 16 wide on the projected layer, SnapKV's 16 prompt tokens kept
     assert record["longctx"]["suite96"]["cache_bytes_per_token"] < plain["cache_bytes_per_token"]

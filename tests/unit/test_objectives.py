@@ -24,6 +24,29 @@ from dimattn.dimpo.objectives import (
     triplet_loss,
 )
 
+from dimattn.workflow.schema import dimpo_presets
+
+# The losses take every hyperparameter; the tests give the fit settings' defaults
+# (schemas/dimpo_presets.yaml) where a case varies only some.
+HP = dimpo_presets()["defaults"]
+LIST = {n: HP[n] for n in ("beta", "gamma", "delta", "normalise", "max_preferred")}
+
+
+def listwise(x, psi, mask, **over):
+    return listwise_loss(x, psi, mask, **(LIST | over))
+
+
+def dimpo(x, psi, mask, **over):
+    return dimpo_loss(x, psi, mask, **(LIST | {"k": HP["k"], "lam": HP["lam"]} | over))
+
+
+def dimpo_kl(x, psi, mask, **over):
+    return dimpo_kl_loss(x, psi, mask, **(LIST | {"kl_weight": HP["kl_weight"]} | over))
+
+
+def pairs(scores, mask, mode, **over):
+    return select_pairs(scores, mask, mode, **({"num_pairs": HP["num_pairs"], "distance": HP["pair_distance"]} | over))
+
 
 def make_batch(n=5, length=7, seed=0, lengths=(7, 1, 3, 5, 2), tie=False):
     """float64 logits (padding -inf), psi (0 at padding) and mask; row i has lengths[i] valid keys.
@@ -171,7 +194,7 @@ def test_listwise_matches_naive(delta, normalise, max_preferred):
     logits = finite_logits(logits, mask)
     hp = dict(beta=1.3, gamma=0.4, delta=delta, normalise=normalise, max_preferred=max_preferred)
     assert_same_value_and_grad(
-        lambda x: listwise_loss(x, psi, mask, **hp), lambda x: naive_listwise(x, psi, mask, **hp), logits
+        lambda x: listwise(x, psi, mask, **hp), lambda x: naive_listwise(x, psi, mask, **hp), logits
     )
 
 
@@ -180,7 +203,7 @@ def test_listwise_probability_floor_stops_gradient():
     psi = torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.float64)
     mask = torch.ones(1, 3, dtype=torch.bool)
     logits = torch.tensor([[0.0, -30.0, 1.0]], dtype=torch.float64, requires_grad=True)
-    loss = listwise_loss(logits, psi, mask, gamma=0.0)
+    loss = listwise(logits, psi, mask, gamma=0.0)
     assert loss.item() == pytest.approx(float(naive_listwise(logits.detach(), psi, mask, gamma=0.0)), rel=1e-12)
     (grad,) = torch.autograd.grad(loss, logits)
     assert abs(grad[0, 1]) < 1e-10  # clamped: only the normaliser's -p_1 (~1e-13) is left
@@ -191,10 +214,10 @@ def test_listwise_blocks_give_same_loss_and_grad(monkeypatch, budget):
     """Blocks of instances, or of preferred rows within one instance (budget < L), change nothing."""
     logits, psi, mask = make_batch(seed=2)
     logits = finite_logits(logits, mask)
-    full = listwise_loss(logits, psi, mask)
+    full = listwise(logits, psi, mask)
     (grad_full,) = torch.autograd.grad(full, logits)
     monkeypatch.setattr(objectives, "PAIR_CHUNK_ELEMENTS", budget)
-    blocked = listwise_loss(logits, psi, mask)
+    blocked = listwise(logits, psi, mask)
     (grad_blocked,) = torch.autograd.grad(blocked, logits)
     assert blocked.item() == pytest.approx(full.item(), rel=1e-12)
     assert torch.allclose(grad_blocked, grad_full, rtol=1e-10, atol=1e-15)
@@ -204,7 +227,7 @@ def test_listwise_gradcheck():
     logits, psi, mask = make_batch(seed=5)
     x = finite_logits(logits, mask)
     for normalise in ("pairs", "delta"):
-        assert torch.autograd.gradcheck(lambda y: listwise_loss(y, psi, mask, gamma=0.3, normalise=normalise), (x,))
+        assert torch.autograd.gradcheck(lambda y: listwise(y, psi, mask, gamma=0.3, normalise=normalise), (x,))
 
 
 def test_listwise_is_tiny_next_to_the_head_term_at_many_keys():
@@ -213,7 +236,7 @@ def test_listwise_is_tiny_next_to_the_head_term_at_many_keys():
     raw = torch.randn(1, 4096, generator=g) * 2
     psi, mask = torch.softmax(raw, -1), torch.ones(1, 4096, dtype=torch.bool)
     logits = torch.randn(1, 4096, generator=g)
-    ratio = listwise_loss(logits, psi, mask) / head_loss(logits, psi, mask, k=64)
+    ratio = listwise(logits, psi, mask) / head_loss(logits, psi, mask, k=64)
     assert 1e-8 < ratio.item() < 1e-4
 
 
@@ -226,19 +249,19 @@ def test_head_matches_naive(k):
         (grad,) = torch.autograd.grad(loss, logits)
         assert loss.item() == 0.0 and torch.count_nonzero(grad) == 0
         return
-    assert_same_value_and_grad(lambda x: head_loss(x, psi, mask, k), lambda x: naive_head(x, psi, mask, k), logits)
+    assert_same_value_and_grad(lambda x: head_loss(x, psi, mask, k=k), lambda x: naive_head(x, psi, mask, k), logits)
 
 
 def test_dimpo_and_dimpo_kl_compose_their_terms():
     logits, psi, mask = make_batch()
     logits = finite_logits(logits, mask)
     assert_same_value_and_grad(
-        lambda x: dimpo_loss(x, psi, mask, gamma=0.1, k=2, lam=0.5, max_preferred=3),
+        lambda x: dimpo(x, psi, mask, gamma=0.1, k=2, lam=0.5, max_preferred=3),
         lambda x: naive_listwise(x, psi, mask, gamma=0.1, max_preferred=3) + 0.5 * naive_head(x, psi, mask, 2),
         logits,
     )
     assert_same_value_and_grad(
-        lambda x: dimpo_kl_loss(x, psi, mask, kl_weight=0.7),
+        lambda x: dimpo_kl(x, psi, mask, kl_weight=0.7),
         lambda x: naive_listwise(x, psi, mask) + 0.7 * naive_kl(x, psi, mask),
         logits,
     )
@@ -248,10 +271,10 @@ def test_dimpo_and_dimpo_kl_compose_their_terms():
     "loss",
     [
         kl_loss,
-        lambda x, psi, mask: listwise_loss(x, psi, mask, gamma=0.3, max_preferred=2),
+        lambda x, psi, mask: listwise(x, psi, mask, gamma=0.3, max_preferred=2),
         lambda x, psi, mask: head_loss(x, psi, mask, k=2),
-        lambda x, psi, mask: dimpo_loss(x, psi, mask, k=3),
-        dimpo_kl_loss,
+        lambda x, psi, mask: dimpo(x, psi, mask, k=3),
+        dimpo_kl,
     ],
 )
 def test_gradients_finite_with_padding(loss):
@@ -305,7 +328,7 @@ def test_triplet_matches_naive():
 def test_extreme_pairs_are_argmax_and_argmin_of_valid_keys():
     logits, _, mask = make_batch()
     scores = logits.masked_fill(~mask, 0.0)
-    rows, chosen, rejected = select_pairs(scores, mask, "extreme")
+    rows, chosen, rejected = pairs(scores, mask, "extreme")
     assert rows.tolist() == list(range(5))
     for r, w, l in zip(rows, chosen, rejected):
         keys = valid(mask[r])
@@ -318,7 +341,7 @@ def ranks(scores):
 
 def test_all_pairs_are_every_ordered_pair():
     scores = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
-    rows, chosen, rejected = select_pairs(scores, torch.ones(3, 6, dtype=torch.bool), "all")
+    rows, chosen, rejected = pairs(scores, torch.ones(3, 6, dtype=torch.bool), "all")
     assert len(rows) == 3 * 15
     for r in range(3):
         got = {(int(w), int(l)) for rr, w, l in zip(rows, chosen, rejected) if rr == r}
@@ -329,7 +352,7 @@ def test_all_pairs_are_every_ordered_pair():
 def test_halves_pairs_are_distinct_top_against_bottom():
     scores = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
-    rows, chosen, rejected = select_pairs(scores, torch.ones(4, 10, dtype=torch.bool), "halves", generator=g,
+    rows, chosen, rejected = pairs(scores, torch.ones(4, 10, dtype=torch.bool), "halves", generator=g,
                                           num_pairs=3)
     assert len(rows) == 12
     for r in range(4):
@@ -339,13 +362,13 @@ def test_halves_pairs_are_distinct_top_against_bottom():
         assert len(set(w + l)) == 6  # no key used twice
         assert all(rk[c] < 5 for c in w) and all(rk[c] >= 5 for c in l)
     with pytest.raises(ValueError, match="num_pairs"):
-        select_pairs(scores, torch.ones(4, 10, dtype=torch.bool), "halves", num_pairs=6)
+        pairs(scores, torch.ones(4, 10, dtype=torch.bool), "halves", num_pairs=6)
 
 
 @pytest.mark.parametrize("distance", [1, 3, 9, 50])
 def test_distance_pairs_have_the_rank_gap(distance):
     scores = torch.randn(20, 10, generator=torch.Generator().manual_seed(0))
-    rows, chosen, rejected = select_pairs(scores, torch.ones(20, 10, dtype=torch.bool), "distance",
+    rows, chosen, rejected = pairs(scores, torch.ones(20, 10, dtype=torch.bool), "distance",
                                           generator=torch.Generator().manual_seed(2), distance=distance)
     for r, w, l in zip(rows, chosen, rejected):
         rk = ranks(scores[r])
@@ -355,9 +378,9 @@ def test_distance_pairs_have_the_rank_gap(distance):
 def test_appendix_modes_need_full_key_lists():
     _, _, mask = make_batch()
     with pytest.raises(ValueError, match="non-causal"):
-        select_pairs(torch.zeros(mask.shape), mask, "all")
+        pairs(torch.zeros(mask.shape), mask, "all")
     with pytest.raises(ValueError, match="pair mode"):
-        select_pairs(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), "nearest")
+        pairs(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), "nearest")
 
 
 # ---- closed forms and registry -------------------------------------------------------------------
@@ -408,9 +431,9 @@ def test_registry_holds_every_objective_with_the_authors_settings():
 def test_objective_call_reads_hparams_then_defaults():
     logits, psi, mask = make_batch()
     got = OBJECTIVES["dimpo"](logits, psi, mask, hparams={"k": 2, "lr": 1.0})
-    assert got.item() == pytest.approx(dimpo_loss(logits, psi, mask, k=2, lam=1.0, gamma=1e-4).item())
+    assert got.item() == pytest.approx(dimpo(logits, psi, mask, k=2, lam=1.0, gamma=1e-4).item())
     s_w, s_l = pair_logits()
-    assert OBJECTIVES["simpo"](s_w, s_l).item() == pytest.approx(simpo_loss(s_w, s_l, 1.0, 1.0).item())
+    assert OBJECTIVES["simpo"](s_w, s_l).item() == pytest.approx(simpo_loss(s_w, s_l, beta=1.0, gamma=1.0).item())
     with pytest.raises(ValueError, match=r"'cosine'.*dimpo"):
         get_objective("cosine")
     with pytest.raises(TypeError, match="closed-form"):

@@ -295,7 +295,7 @@ def test_evaluate_recall_writes_the_summary(tmp_path, monkeypatch):
     test_bin = tmp_path / "r/tokens/test.bin"
     model_dir = tmp_path / "recall-dar-w4-d4"
     _saved_tiny_model(model_dir, s.vocab_size, s.seq_len)
-    result = evaluate_recall(model_dir, test_bin, tmp_path / "out.json", batch_size=5, corpus="recall")
+    result = evaluate_recall(model_dir, test_bin, tmp_path / "out.json", batch_size=5, device="cpu", corpus="recall")
     assert json.loads((tmp_path / "out.json").read_text()) == result
     assert result["run"] == "recall-dar-w4-d4" and result["attention"] == "dar"
     assert result["d_down"] == 4 and result["window"] == 4
@@ -313,10 +313,10 @@ def test_evaluate_recall_writes_the_summary(tmp_path, monkeypatch):
     # an oracle (the next token, everywhere) recalls everything, in every bin
     def stand_in(model):
         model.config = types.SimpleNamespace(vocab_size=s.vocab_size)  # what evaluate_recall checks
-        return lambda d, device="cpu": model
+        return lambda d, device: model
 
     monkeypatch.setattr(dimattn.evaluation.scoring, "load_model", stand_in(Oracle(s.vocab_size)))
-    perfect = evaluate_recall(model_dir, test_bin, tmp_path / "oracle.json", batch_size=3,
+    perfect = evaluate_recall(model_dir, test_bin, tmp_path / "oracle.json", batch_size=3, device="cpu",
                               distance_bins=[s.min_distance, 20, s.max_distance + 1])
     assert perfect["accuracy"] == 1.0 and [b["accuracy"] for b in perfect["by_distance"]] == [1.0, 1.0]
     # a constant model scores the share of answers that happen to be its token
@@ -324,7 +324,7 @@ def test_evaluate_recall_writes_the_summary(tmp_path, monkeypatch):
     targets = find_queries(examples, meta["recall"])[:, 3]
     v = int(np.bincount(targets).argmax())
     monkeypatch.setattr(dimattn.evaluation.scoring, "load_model", stand_in(Constant(s.vocab_size, v)))
-    const = evaluate_recall(model_dir, test_bin, tmp_path / "const.json", batch_size=4)
+    const = evaluate_recall(model_dir, test_bin, tmp_path / "const.json", batch_size=4, device="cpu")
     assert const["accuracy"] == pytest.approx((targets == v).mean()) and const["accuracy"] < 1
 
 
@@ -340,7 +340,7 @@ def test_evaluate_recall_refuses_a_corpus_that_breaks_the_layout(tmp_path):
     x.tofile(path)  # one answer no longer matches its pair
     _saved_tiny_model(tmp_path / "m", s.vocab_size, s.seq_len)
     with pytest.raises(DataError, match="break the recall layout"):
-        evaluate_recall(tmp_path / "m", path, tmp_path / "out.json", batch_size=4)
+        evaluate_recall(tmp_path / "m", path, tmp_path / "out.json", batch_size=4, device="cpu")
     assert not (tmp_path / "out.json").exists()
 
 
@@ -465,13 +465,14 @@ def test_score_projected_runs_the_probe_through_a_projected_directory(tmp_path):
                      tmp_path / "p.safetensors", {"objective": "kl", "d_prime": 4})
     kv = {"snapkv": {"budget": s.min_query_pos // 2, "window": 4, "kernel": 3}}
     model_dir = save_projected_model(tmp_path / "projected", str(tmp_path / "run"), tmp_path / "p.safetensors",
-                                     num_projected=1, kv=kv)
+                                     num_projected=1, scale="d_prime", kv=kv)
     record = score_projected(model_dir, {"model": "r"}, tokens={}, seq_len=64, batch_size=4, max_tokens=None,
-                             tasks=[], limit=None, out_json=tmp_path / "out.json", recall={"recall": test_bin})
+                             tasks=[], limit=None, out_json=tmp_path / "out.json", recall={"recall": test_bin},
+                             device="cpu", precision="fp32")
     probe = record["recall"]["recall"]
     assert probe["prefill"] == s.min_query_pos and probe["n_queries"] == s.n_test * s.queries
     examples, meta = load_examples(test_bin)
     queries = find_queries(examples, meta["recall"])
-    predictions = predict_through_cache(load_model(model_dir), examples, queries, s.min_query_pos, 4)
+    predictions = predict_through_cache(load_model(model_dir, "cpu"), examples, queries, s.min_query_pos, 4)
     assert probe["accuracy"] == pytest.approx(float((predictions == queries[:, 3]).mean()))
     assert json.loads((tmp_path / "out.json").read_text())["recall"] == record["recall"]
