@@ -364,8 +364,8 @@ class Objective:
 
 _LIST = ("beta", "gamma", "delta", "normalise", "max_preferred")
 # Each objective's own settings (the authors' lr, batch, margins): schemas/dimpo_presets.yaml.
-_OWN = dimpo_presets()["objectives"]
-_DEFAULTS = dimpo_presets()["defaults"]
+_PRESETS = dimpo_presets()
+_OWN, _DEFAULTS = _PRESETS["objectives"], _PRESETS["defaults"]
 
 
 def _fit_random(queries, keys, d_prime, *, generator=None, center=True):

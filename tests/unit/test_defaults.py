@@ -108,7 +108,8 @@ def test_no_code_restates_a_schema_default():
 
 
 def test_the_check_finds_a_restated_default(tmp_path):
-    """The scan above is not vacuous: both forms of a restated default are caught."""
+    """The scan above is not vacuous: a restated class default, ``.get`` fallback and keyword default
+    of a job's function are caught, and the keyword default of a function no job calls is not."""
     bad = tmp_path / "bad.py"
     bad.write_text("class S:\n    n_pairs: int = 8\n\ndef f(c):\n    return c.get('streaming', True)\n\n"
                    "def job(x, device='cpu', *, seed=0):\n    pass\n")
