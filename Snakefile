@@ -23,7 +23,7 @@ include: "rules/report.smk"
 # `snakemake figures`): the published manifest's wall time and config digest.
 onstart:
     if recorded():
-        tiers.start(PLAN.config)
+        tiers.start(PLAN.config, logs=log)
 
 
 onsuccess:

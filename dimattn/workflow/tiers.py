@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from datetime import datetime
 from pathlib import Path
 
 from dimattn.workflow import paths
@@ -75,13 +76,21 @@ def check(tier: str, stamp: str | Path = paths.TIER_STAMP) -> None:
         )
 
 
-def start(config: dict, stamp: str | Path = paths.TIER_STAMP, now: float | None = None) -> dict:
-    """Snakemake's onstart: append an invocation (a new record where the config's digest changed)."""
+def start(config: dict, stamp: str | Path = paths.TIER_STAMP, now: float | None = None,
+          logs: list[str] | None = None) -> dict:
+    """Snakemake's onstart: append an invocation (a new record where the config's digest changed).
+    ``logs``: Snakemake's log files of this invocation (onstart's ``log``); where the last
+    invocation was killed before its onsuccess or onerror ran, it is closed from them."""
     stamp = Path(stamp)
     digest = config_sha256(config)
     record = read(stamp)
     if record is None or record.get("config_sha256") != digest:
         record = {"tier": config["tier"], "config_sha256": digest, "cpu_model": cpu_model(), "invocations": []}
+    last = record["invocations"][-1] if record["invocations"] else None
+    if last is not None and "finished" not in last and logs:
+        ended = killed_at(last["started"], Path(logs[0]).parent)
+        if ended is not None:
+            last.update(finished=ended, ok=False, closed_from_log=True)
     record["invocations"].append({"started": time.time() if now is None else now})
     _write(record, stamp)
     return record
@@ -96,6 +105,22 @@ def finish(ok: bool, stamp: str | Path = paths.TIER_STAMP, now: float | None = N
     last["ok"] = ok
     _write(record, stamp)
     return record
+
+
+def killed_at(started: float, log_dir: Path) -> float | None:
+    """When an invocation that started at ``started`` last wrote its Snakemake log: its end, where
+    it was killed (SIGKILL, a lost machine or session) and no onerror closed it, so that a resumed
+    run's wall time counts the hours before the kill. Snakemake names a log by the time it opens
+    it, just before onstart: the invocation's own is the newest opened at or before ``started``."""
+    opened = {}
+    for log in log_dir.glob("*.snakemake.log"):
+        try:
+            at = datetime.strptime(log.name.removesuffix(".snakemake.log"), "%Y-%m-%dT%H%M%S.%f").timestamp()
+        except ValueError:
+            continue
+        if at <= started:
+            opened[at] = log
+    return opened[max(opened)].stat().st_mtime if opened else None
 
 
 def wall_seconds(record: dict) -> float:

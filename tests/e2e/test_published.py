@@ -83,6 +83,39 @@ def test_the_run_record_sums_invocations_of_one_config(tmp_path):
     assert len(record["invocations"]) == 1 and record["config_sha256"] != tiers.config_sha256(config)
 
 
+def test_a_killed_invocation_is_closed_from_its_log(tmp_path):
+    """A run killed with no onerror (SIGKILL, a lost session) then resumed: the killed invocation
+    ends at its Snakemake log's last write, so the record counts its hours."""
+    import os
+    from datetime import datetime
+
+    stamp, logs = tmp_path / "tier.json", tmp_path / ".snakemake" / "log"
+    logs.mkdir(parents=True)
+
+    def log_opened(at: float, last_write: float) -> str:
+        log = logs / f"{datetime.fromtimestamp(at).strftime('%Y-%m-%dT%H%M%S.%f')}.snakemake.log"
+        log.write_text("jobs\n")
+        os.utime(log, (last_write, last_write))
+        return str(log)
+
+    config = {"tier": "cpu-full"}
+    first = log_opened(1000.0, 1000.0)
+    tiers.start(config, stamp, now=1005.0, logs=[first])
+    log_opened(1500.0, 1600.0)  # a `snakemake figures` between the two: opened after the first started
+    os.utime(first, (4605.0, 4605.0))  # its jobs wrote the log until the kill, an hour later
+    resumed = log_opened(9000.0, 9000.0)
+    record = tiers.start(config, stamp, now=9002.0, logs=[resumed])
+    killed = record["invocations"][0]
+    assert killed == {"started": 1005.0, "finished": 4605.0, "ok": False, "closed_from_log": True}
+    tiers.finish(True, stamp, now=9102.0)
+    assert tiers.wall_seconds(tiers.read(stamp)) == 3600.0 + 100.0
+    # with no log to read the killed invocation stays open, and uncounted
+    other = tmp_path / "other.json"
+    tiers.start(config, other, now=20000.0, logs=[])
+    record = tiers.start(config, other, now=20100.0, logs=[])
+    assert "finished" not in record["invocations"][0]
+
+
 def test_a_broken_stamp_is_named(tmp_path):
     stamp = tmp_path / "tier.json"
     stamp.write_text("{not json")
