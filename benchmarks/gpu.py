@@ -55,7 +55,6 @@ Sections, in order (each line names its section; ``elapsed_s`` is the section's 
 
 import argparse
 import ctypes
-import json
 import platform
 import resource
 import sys

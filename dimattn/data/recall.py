@@ -474,8 +474,6 @@ def predict_through_cache(model, examples: np.ndarray, queries: np.ndarray, pref
     once, after the prefill; KIVI quantises tokens as they age). Positions are passed
     explicitly, since an evicting cache is shorter than the sequence it has seen. Without
     compression the predictions are those of :func:`predict_at_queries`."""
-    import torch
-
     length = examples.shape[1]
     if not 1 <= prefill < length:
         raise ValueError(f"prefill must be in 1..{length - 1}, got {prefill}")

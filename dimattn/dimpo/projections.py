@@ -47,12 +47,7 @@ from dimattn.dimpo.objectives import get_objective, pca_projection, select_pairs
 from dimattn.workflow.resources import fit_group
 from dimattn.workflow.settings import key_list_length, resolve_top_k
 
-from dimattn.dimpo.capture_files import (
-    CAPTURE_PARTS,
-    load_capture,
-    near_mask,
-    save_capture,
-)  # noqa: F401 (re-read by the fits)
+from dimattn.dimpo.capture_files import load_capture, near_mask
 from dimattn.dimpo.fidelity import FIDELITY_TOP_K_SHARE, attention_fidelity
 from dimattn.dimpo.fit_settings import FitSettings, resolve_settings, with_top_k
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
