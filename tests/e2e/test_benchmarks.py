@@ -172,3 +172,36 @@ def test_dag_times_sums_each_rule_and_stamps_the_host(tmp_path, capsys, monkeypa
     assert lines[-1]["name"] == "dag_total_seconds" and lines[-1]["wall_s"] == 18.0 and lines[-1]["jobs"] == 3
     assert all(r["host_bf16_peak_gflops"] == 123.4 for r in lines)
     assert '"name": "host"' in out.err
+
+
+def test_startup_reads_each_scripts_imports_and_ranks_packages_by_their_own_time(tmp_path):
+    startup = _load("startup")
+    script = tmp_path / "job.py"
+    script.write_text("from pathlib import Path\n\nfrom _workflow import logged\n\nwith logged(snakemake):\n"
+                      "    import json, csv\n    from dimattn.workflow import paths\n    from . import local\n")
+    assert startup.script_imports(script) == "from pathlib import Path; import json; import csv; from dimattn.workflow import paths"
+    log = ("import time: self [us] | cumulative | imported package\n"
+           "import time:    900000 |     900000 |     torch._C\n"
+           "import time:    100000 |    1000000 |   torch\n"
+           "import time:    300000 |     300000 |     transformers.utils\n"
+           "import time:    200000 |    1500000 |   transformers\n"
+           "import time:     50000 |    1550000 | dimattn.model\n")
+    # self times summed by package: dimattn's cumulative 1.55 s holds the others' and counts 0.05
+    assert startup.top_packages(log, 3) == [{"package": "torch", "self_s": 1.0}, {"package": "transformers", "self_s": 0.5},
+                                            {"package": "dimattn", "self_s": 0.05}]
+    # every script of the workflow parses, and a job's imports name dimattn's module for its work
+    for path in startup.SCRIPTS.glob("[!_]*.py"):
+        assert "_workflow" not in startup.script_imports(path), path
+
+
+def test_startup_times_a_script_beside_the_floors_and_stamps_its_lines(capsys, monkeypatch):
+    monkeypatch.setenv("DIMATTN_BENCH_RECORD", "0")
+    _load("startup").main(["--scripts", "summarize", "--floors", "--repeats", "1", "--top", "3"])
+    lines = {r["name"]: r for r in _json_lines(capsys.readouterr().out)}
+    assert set(lines) == {"startup_interpreter", "startup_torch", "startup_summarize"}
+    summarize, torch_ = lines["startup_summarize"], lines["startup_torch"]
+    assert summarize["imports"].endswith("from dimattn.reporting import summaries") and summarize["kind"] == "script"
+    assert summarize["over_torch"] == round(summarize["median_s"] / torch_["median_s"], 3)
+    assert lines["startup_interpreter"]["median_s"] < torch_["median_s"]  # torch is no free import anywhere
+    assert [t["package"] for t in torch_["top"]][0] == "torch" and len(summarize["top"]) == 3
+    assert all("host_bf16_peak_gflops" in r for r in lines.values())
