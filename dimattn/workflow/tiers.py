@@ -120,7 +120,9 @@ def killed_at(started: float, log_dir: Path) -> float | None:
             continue
         if at <= started:
             opened[at] = log
-    return opened[max(opened)].stat().st_mtime if opened else None
+    last_write = opened[max(opened)].stat().st_mtime if opened else None
+    # a log last written before the invocation began is an earlier invocation's
+    return last_write if last_write is not None and last_write >= started else None
 
 
 def wall_seconds(record: dict) -> float:

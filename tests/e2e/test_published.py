@@ -109,6 +109,8 @@ def test_a_killed_invocation_is_closed_from_its_log(tmp_path):
     assert killed == {"started": 1005.0, "finished": 4605.0, "ok": False, "closed_from_log": True}
     tiers.finish(True, stamp, now=9102.0)
     assert tiers.wall_seconds(tiers.read(stamp)) == 3600.0 + 100.0
+    # a log that ends before the invocation began is an earlier run's: the invocation stays open
+    assert tiers.killed_at(4700.0, logs) is None
     # with no log to read the killed invocation stays open, and uncounted
     other = tmp_path / "other.json"
     tiers.start(config, other, now=20000.0, logs=[])
