@@ -120,9 +120,11 @@ def killed_at(started: float, log_dir: Path) -> float | None:
             continue
         if at <= started:
             opened[at] = log
-    last_write = opened[max(opened)].stat().st_mtime if opened else None
+    if not opened:
+        return None
+    last_write = opened[max(opened)].stat().st_mtime
     # a log last written before the invocation began is an earlier invocation's
-    return last_write if last_write is not None and last_write >= started else None
+    return last_write if last_write >= started else None
 
 
 def wall_seconds(record: dict) -> float:
