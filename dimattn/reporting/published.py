@@ -90,13 +90,18 @@ def job_seconds(bench_dir: os.PathLike | str, since: float = 0.0) -> dict[str, t
     for path in sorted(bench_dir.rglob("*.tsv")):
         if path.stat().st_mtime < since:
             continue
-        with open(path, newline="") as f:
-            rows = [r for r in csv.DictReader(f, delimiter="\t") if r.get("s") not in (None, "", "NA")]
+        rows = job_seconds_of(path)
         if rows:
             rule = path.relative_to(bench_dir).parts[0]
             jobs, seconds = out.get(rule, (0, 0.0))
-            out[rule] = (jobs + 1, seconds + sum(float(r["s"]) for r in rows))
+            out[rule] = (jobs + 1, seconds + sum(rows))
     return out
+
+
+def job_seconds_of(path: os.PathLike | str) -> list[float]:
+    """The seconds of each repeat in one Snakemake benchmark file (none where the job did not finish)."""
+    with open(path, newline="") as f:
+        return [float(r["s"]) for r in csv.DictReader(f, delimiter="\t") if r.get("s") not in (None, "", "NA")]
 
 
 def _commit(repo: Path) -> tuple[str, bool]:

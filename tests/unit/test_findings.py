@@ -71,3 +71,23 @@ def test_every_claim_names_columns_its_summary_has():
 def test_the_committed_findings_are_what_the_rule_writes():
     page = findings.render(REPO / "published", REPO / "reference")
     assert (REPO / "docs/findings.md").read_text() == page, "run make findings"
+
+
+def test_a_seed_cut_is_read_on_the_subsets_of_the_seeds_run(tmp_path):
+    """dimattn.reporting.sizing: a claim that holds on three seeds, one of which (seed 2) is close,
+    keeps its verdict on the subset without that seed only; the job-seconds split by replicate."""
+    from dimattn.reporting import sizing
+
+    df = rows({("dar", "x"): [10, 10, 12.5], ("uniform", "x"): [12, 12, 13]})
+    result = sizing.subset_verdicts(df, CLAIM)
+    assert result["seeds"] == ["0", "1", "2"] and result["all"] == findings.HOLDS
+    assert result["subsets"] == {("0", "1"): findings.HOLDS, ("0", "2"): findings.HOLDS, ("1", "2"): findings.HOLDS}
+    df.loc[2, "ppl"] = "13.5"  # seed 2 now goes the other way: the three-seed verdict is within the spread
+    result = sizing.subset_verdicts(df, CLAIM)
+    assert result["all"] == findings.WITHIN
+    assert result["subsets"][("0", "1")] == findings.HOLDS and result["subsets"][("0", "2")] == findings.WITHIN
+    for rule, job, seconds in (("pretrain", "tiny-dar-w32-d16", 10), ("pretrain", "tiny-dar-w32-d16-s2", 7),
+                               ("score_projected", "score_tiny-s1_base_default_d0_l0_none_s0", 3)):
+        (tmp_path / rule).mkdir(exist_ok=True)
+        (tmp_path / rule / f"{job}.tsv").write_text(f"s\th:m:s\n{seconds}\t0:00:{seconds:02d}\n")
+    assert sizing.seed_seconds(tmp_path) == {"training": {"0": 10.0, "2": 7.0, "1": 3.0}, "fit": 3.0}
