@@ -48,10 +48,10 @@ def subset_verdicts(df: pd.DataFrame, claim: dict, keep: int | None = None) -> d
     """The claim's verdict on every seed, and on each subset of ``keep`` of them (default: one
     fewer), as {"seeds": [...], "all": verdict, "subsets": {(seed, ...): verdict}}."""
     full = findings.compare(df, claim)
-    seeds = seeds_of(full)
+    seeds = seeds_of(full) if "seed" in df.columns else []  # no seed column: the cells' keys are no seeds
     keep = len(seeds) - 1 if keep is None else keep
     subsets = {}
-    if "seed" in df.columns and 1 <= keep < len(seeds):
+    if 1 <= keep < len(seeds):
         for kept in itertools.combinations(seeds, keep):
             subsets[kept] = findings.compare(df[df["seed"].isin(kept)], claim)["verdict"]
     return {"seeds": seeds, "all": full["verdict"], "subsets": subsets}

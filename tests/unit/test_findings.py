@@ -74,8 +74,9 @@ def test_the_committed_findings_are_what_the_rule_writes():
 
 
 def test_a_seed_cut_is_read_on_the_subsets_of_the_seeds_run(tmp_path):
-    """dimattn.reporting.sizing: a claim that holds on three seeds, one of which (seed 2) is close,
-    keeps its verdict on the subset without that seed only; the job-seconds split by replicate."""
+    """dimattn.reporting.sizing: a claim that holds on three seeds holds on each pair; once seed 2
+    goes the other way, only the pair without it holds beyond the spread; the job-seconds split by
+    replicate."""
     from dimattn.reporting import sizing
 
     df = rows({("dar", "x"): [10, 10, 12.5], ("uniform", "x"): [12, 12, 13]})
