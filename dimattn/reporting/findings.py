@@ -87,6 +87,18 @@ def _read(summary_dir: Path, name: str) -> pd.DataFrame | None:
     return pd.read_csv(path, dtype=str, keep_default_na=False)
 
 
+def summary_reader(summary_dir: os.PathLike | str):
+    """A tier's summaries by name, each read (whole, or refused naming the file) once; None for
+    a summary the tier does not have. The findings page and the sizing report read claims so."""
+    summary_dir, frames = Path(summary_dir), {}
+
+    def read(name: str) -> pd.DataFrame | None:
+        if name not in frames:
+            frames[name] = _read(summary_dir, name)
+        return frames[name]
+    return read
+
+
 def _fmt(values: pd.Series) -> str:
     mean = values.mean()
     if len(values) < 2 or values.min() == values.max():
@@ -182,7 +194,7 @@ def render(published_root: os.PathLike | str, reference_dir: os.PathLike | str, 
         out.append(f"- {tier}: " + (f"published at `{m['commit'][:10]}`, {m['date'][:10]}, {m['jobs']} jobs on "
                                     f"{m['cpu']['model']}" if m else "not published yet: every claim untested"))
     out.append("")
-    frames = {tier: {} for tier in manifests}
+    readers = {tier: summary_reader(published_root / tier / "summary") for tier in manifests}
     for seed in sorted({c["seed"] for c in claims}):
         out += [f"## Seed {seed}", ""]
         for claim in (c for c in claims if c["seed"] == seed):
@@ -197,9 +209,7 @@ def render(published_root: os.PathLike | str, reference_dir: os.PathLike | str, 
                 if tier not in manifests:
                     out.append(f"- **{tier}**: {UNTESTED} (not published)")
                     continue
-                if claim["summary"] not in frames[tier]:
-                    frames[tier][claim["summary"]] = _read(published_root / tier / "summary", claim["summary"])
-                df = frames[tier][claim["summary"]]
+                df = readers[tier](claim["summary"])
                 result = compare(df, claim) if df is not None else {"cells": [], "verdict": UNTESTED}
                 out.append(f"- **{tier}**: {result['verdict']}")
                 for c in result["cells"][:CELLS_SHOWN]:

@@ -81,12 +81,10 @@ def render(tier: str, published_root: Path, reference_dir: Path, workdir: Path |
            "`python -m dimattn.reporting.sizing`. Per claim: its verdict on every seed, then on each subset kept "
            "(the runs a tier with fewer seeds makes).", "",
            "| claim | seeds | all seeds | kept subsets: verdict (how many) |", "| --- | --- | --- | --- |"]
-    frames = {}
+    read = findings.summary_reader(published_root / tier / "summary")
     changed = 0
     for claim in claims:
-        if claim["summary"] not in frames:
-            frames[claim["summary"]] = findings._read(published_root / tier / "summary", claim["summary"])
-        df = frames[claim["summary"]]
+        df = read(claim["summary"])
         if df is None:
             out.append(f"| {claim['id']} | | {findings.UNTESTED} | |")
             continue
