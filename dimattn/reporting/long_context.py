@@ -42,8 +42,6 @@ def figure(needle: pd.DataFrame, path: Path, panel: str = "run", title: str = ""
     context length."""
     if needle.empty:
         raise ValueError("the needle heat map needs the longctx_needle summary's rows; it is empty")
-    import seaborn as sns
-
     names, tasks = _base_first(needle, panel), list(dict.fromkeys(needle["subtask"]))
     with plots.figure(path, (3.2 + 3.0 * len(names), 3.6 * len(tasks))) as fig:
         axes = fig.subplots(len(tasks), len(names), squeeze=False)
@@ -53,8 +51,8 @@ def figure(needle: pd.DataFrame, path: Path, panel: str = "run", title: str = ""
                 if rows.empty:
                     ax.set_visible(False)
                     continue
-                sns.heatmap(needle_grid(rows), ax=ax, vmin=0, vmax=100, cmap="viridis", annot=True, fmt=".0f",
-                            cbar=c == len(names) - 1, cbar_kws={"label": "score (%), higher is better"})
+                plots.heatmap(ax, needle_grid(rows), vmin=0, vmax=100, cmap="viridis", fmt=".0f",
+                              colorbar_label="score (%), higher is better" if c == len(names) - 1 else None)
                 ax.set_title(f"{name}: {task}\n(>= {int(rows['n'].min())} examples a cell)", fontsize="small")
                 ax.set_xlabel("context length (tokens)")
                 ax.set_ylabel("needle depth (share of the context)")

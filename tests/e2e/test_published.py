@@ -2,6 +2,7 @@
 published tier renders only as its manifest lists it (dimattn.reporting.published)."""
 
 import json
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -220,3 +221,23 @@ def test_each_shipped_tier_renders_its_tables_byte_identical(tier, tmp_path):
     assert sorted(p.name for p in tables) == sorted(Path(f).name for f in manifest["files"] if f.startswith("tables/"))
     for table in tables:
         assert table.read_bytes() == (dest / "tables" / table.name).read_bytes(), table.name
+
+
+@pytest.mark.parametrize("goal, tier, targets, configfiles", [
+    ("figures", "default", ["figures"], []),
+    ("figures", "cpu-full", ["figures"], ["configs/cpu-full.yaml"]),
+    ("full", "default", [], ["configs/cpu-full.yaml"]),
+    ("run", "default", [], []),
+])
+def test_make_passes_snakemake_its_target_and_tier(goal, tier, targets, configfiles):
+    """The Makefile's Snakemake command lines as Snakemake parses them: --configfile takes every word
+    after it, so a target written after it was read as a config file ('figures' for TIER=cpu-full)."""
+    from snakemake.cli import get_argument_parser
+
+    shown = subprocess.run(["make", "-n", goal, f"TIER={tier}"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout
+    lines = [line for line in shown.splitlines() if "/snakemake " in line]
+    assert len(lines) == 1, shown
+    args = get_argument_parser().parse_args(shlex.split(lines[0].split("/snakemake ", 1)[1]))
+    assert sorted(args.targets or []) == targets
+    assert [str(p) for p in args.configfile or []] == configfiles
