@@ -62,7 +62,7 @@ rehearsal: install
 	DIMATTN_REHEARSAL=1 $(BIN)/pytest -ra tests/e2e/test_rehearsal.py
 
 figures: install $(if $(filter default,$(TIER)),,tiers/$(TIER)/.linked)
-	$(BIN)/snakemake figures --cores 1 $(TIER_ARGS) --config figures_from=published
+	$(BIN)/snakemake figures --cores $(CORES) $(TIER_ARGS) --config figures_from=published
 
 publish: install
 	$(BIN)/python -m dimattn.reporting.published publish $(TIER) --workdir $(TIER_DIR)

@@ -266,7 +266,7 @@ rule figures:
         paths.log("report", "figures"),
     conda:
         "../envs/report.yaml"
-    threads: 1
+    threads: every_core  # it runs alone: its outputs are drawn in parallel (outputs.render)
     resources:
         runtime=scaled(5, "runtime"),
         mem_mb=scaled(2000, "mem_mb"),

@@ -11,7 +11,8 @@ with logged(snakemake):
             from dimattn.reporting.published import verify
 
             verify(p.published)
-        outputs.render_existing(Path(p.summary_dir), Path(p.reference_dir), Path(p.results_dir))
+        outputs.render_existing(Path(p.summary_dir), Path(p.reference_dir), Path(p.results_dir),
+                                processes=snakemake.threads)
     else:  # exactly the rule's outputs (names relative to results/), from its input summaries alone
         summaries = [Path(s) for s in snakemake.input]
         results_dir = Path(snakemake.output[0]).parents[len(Path(p.outputs[0]).parts) - 1]

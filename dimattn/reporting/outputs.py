@@ -287,12 +287,14 @@ def render(
     reference_dir: os.PathLike | str,
     results_dir: os.PathLike | str,
     available: Iterable[str] | None = None,
+    processes: int = 1,
 ) -> list[Path]:
     """Render exactly the outputs ``names`` into ``results_dir``/<name> from the summaries in
-    ``summary_dir`` (only those in ``available`` when given: a rule's inputs).
+    ``summary_dir`` (only those in ``available`` when given: a rule's inputs), in ``processes``
+    forked workers where there are several outputs (each output is one file, drawn alone).
 
     An output whose summary is missing, or whose summaries hold none of the runs it shows, is an
-    error naming the output and what it lacks.
+    error naming the output and what it lacks; every output is checked before any is drawn.
     """
     from . import summaries
 
@@ -306,7 +308,7 @@ def render(
         path = _summary_path(summary_dir, name)
         if name in available and path.exists():
             frames[name] = summaries.read(path, name)
-    written = []
+    jobs = []
     for name in names:
         out = OUTPUTS[name]
         mine = {s: frames[s] for s in out.summaries if s in frames}
@@ -314,11 +316,26 @@ def render(
         if lacking or not mine:
             files = ", ".join(str(_summary_path(summary_dir, s)) for s in lacking or out.summaries)
             raise MissingSummary(f"{name} needs {files}, which {'is' if ',' not in files else 'are'} missing")
-        try:
-            written.append(out.render(mine, Path(reference_dir), Path(results_dir) / name))
-        except selection.NoRuns as e:
-            raise selection.NoRuns(f"{name}: {e} (in {', '.join(mine)})") from None
-    return written
+        jobs.append((name, mine, Path(reference_dir), Path(results_dir) / name))
+    if processes <= 1 or len(jobs) < 2:
+        return [_render_one(job) for job in jobs]
+    import multiprocessing
+
+    # fork: the workers inherit the frames and the imports (matplotlib draws on Agg figures,
+    # plots.figure: no GUI state); one output at a time, the figures (the slow ones) first, so
+    # that no long figure starts last
+    order = sorted(range(len(jobs)), key=lambda i: not jobs[i][0].endswith(".png"))
+    with multiprocessing.get_context("fork").Pool(min(processes, len(jobs))) as pool:
+        drawn = dict(zip(order, pool.map(_render_one, [jobs[i] for i in order], chunksize=1)))
+    return [drawn[i] for i in range(len(jobs))]
+
+
+def _render_one(job) -> Path:
+    name, frames, reference_dir, dest = job
+    try:
+        return OUTPUTS[name].render(frames, reference_dir, dest)
+    except selection.NoRuns as e:
+        raise selection.NoRuns(f"{name}: {e} (in {', '.join(frames)})") from None
 
 
 def runs_in(summary_dir: os.PathLike | str) -> Asked:
@@ -369,10 +386,11 @@ def runs_in(summary_dir: os.PathLike | str) -> Asked:
 
 
 def render_existing(
-    summary_dir: os.PathLike | str, reference_dir: os.PathLike | str, results_dir: os.PathLike | str
+    summary_dir: os.PathLike | str, reference_dir: os.PathLike | str, results_dir: os.PathLike | str,
+    processes: int = 1,
 ) -> list[Path]:
     """The ``figures`` target: every output the summaries on disk call for (``wanted`` applied to
     :func:`runs_in`), re-rendered from them alone, with no training."""
     asked = runs_in(summary_dir)
     names = wanted(asked.runs, asked.lm_eval, asked.dimpo, asked.longctx)
-    return render(names, summary_dir, reference_dir, results_dir)
+    return render(names, summary_dir, reference_dir, results_dir, processes=processes)

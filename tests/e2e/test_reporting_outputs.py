@@ -293,9 +293,12 @@ def small(tmp_path_factory):
         ("tables/baselines.tex", "no SWA, dilated, hybrid or patterned DAR run"),
     ],
 )
-def test_a_declared_output_without_its_runs_is_an_error(small, tmp_path, name, lacking):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_declared_output_without_its_runs_is_an_error(small, tmp_path, name, lacking, processes):
+    """Drawn alone or beside an output that renders (in a worker process when two), the error names it."""
+    names = [name] if processes == 1 else ["tables/dar_perplexity.tex", name]
     with pytest.raises(NoRuns, match=f"^{name}: {lacking}"):
-        outputs.render([name], small, REFERENCE, tmp_path)
+        outputs.render(names, small, REFERENCE, tmp_path, processes=processes)
     assert not (tmp_path / name).exists()
 
 
