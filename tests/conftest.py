@@ -66,6 +66,16 @@ def seeded_rngs():
         sys.modules["torch"].manual_seed(0)
 
 
+@pytest.fixture
+def tier_dir(tmp_path):
+    """A working directory of its own for a Snakemake call on the checkout's configs, laid out as
+    the Makefile's tiers/<tier>/: the checkout's results/ may hold a run of either tier (make run,
+    make figures), which refuses the other one."""
+    for name in ("config.yaml", "configs", "reference", "published"):
+        (tmp_path / name).symlink_to(HERE.parent / name)
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory, worker_id):
     """configs/smoke.yaml through the whole DAG, once a session: (its directory, wall seconds).

@@ -27,15 +27,17 @@ from snakemake.api import SnakemakeApi
 from snakemake.settings.types import ConfigSettings, OutputSettings, ResourceSettings
 
 with SnakemakeApi(OutputSettings()) as api:
-    workflow = api.workflow(resource_settings=ResourceSettings(), snakefile=Path("Snakefile"), workdir=Path.cwd(),
-                            config_settings=ConfigSettings(configfiles=[Path(p) for p in sys.argv[1:]]))._workflow
+    workflow = api.workflow(resource_settings=ResourceSettings(), snakefile=Path(sys.argv[1]), workdir=Path.cwd(),
+                            config_settings=ConfigSettings(configfiles=[Path(p) for p in sys.argv[2:]]))._workflow
     print(json.dumps({"localrules": sorted(workflow._localrules), "env": dict(os.environ)}))
 """
 
 
-def parse(*configfiles, env=None):
-    out = subprocess.run([sys.executable, "-c", PARSE, *configfiles], capture_output=True, text=True, cwd=REPO,
-                         env=env, timeout=120, check=True)
+def parse(workdir, *configfiles, env=None):
+    """The workflow parsed in ``workdir`` (the tier_dir fixture: a run in the checkout's results/
+    would refuse another tier's config)."""
+    out = subprocess.run([sys.executable, "-c", PARSE, str(REPO / "Snakefile"), *configfiles], capture_output=True,
+                         text=True, cwd=workdir, env=env, timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -56,9 +58,9 @@ DOWNLOADS = {"download_sdist", "prefetch", "prepare_documents"}
     ((), DOWNLOADS),  # config.yaml trains its tokenizer: a compute job
     (("configs/paper.yaml",), DOWNLOADS | {"train_tokenizer"}),  # the Pythia tokenizer from the hub
 ])
-def test_the_localrules_are_exactly_the_download_rules_and_jobs_are_offline(configfiles, downloads):
+def test_the_localrules_are_exactly_the_download_rules_and_jobs_are_offline(configfiles, downloads, tier_dir):
     user = {k: v for k, v in os.environ.items() if k not in resources.OFFLINE and k != "DIMATTN_USER_HF_ENV"}
-    parsed = parse(*configfiles, env=user)
+    parsed = parse(tier_dir, *configfiles, env=user)
     assert set(parsed["localrules"]) == downloads
     assert {key: parsed["env"].get(key) for key in resources.OFFLINE} == resources.OFFLINE
     # The user had none of them set: the download rules' scripts run online.

@@ -253,7 +253,7 @@ def test_the_slurm_profile_leaves_cpus_to_the_rules_threads():
     assert "cpus_per_task" not in profile["set-resources"].get("pretrain", {})
 
 
-def test_a_scale_s_threads_reach_slurm_as_cpus_per_task(tmp_path):
+def test_a_scale_s_threads_reach_slurm_as_cpus_per_task(tmp_path, tier_dir):
     """Through profiles/slurm (conda left out: none here), --cores only to lift the dry run's cap of 1."""
     profile = yaml.safe_load((REPO / "profiles/slurm/config.v8+.yaml").read_text())
     profile.pop("software-deployment-method")
@@ -263,7 +263,8 @@ def test_a_scale_s_threads_reach_slurm_as_cpus_per_task(tmp_path):
     # The pretraining jobs alone as targets: planning the whole paper DAG would add a minute.
     targets = [str(paths.model(run)) for run in p.runs]
     out = subprocess.run([*SNAKEMAKE, *targets, "-n", "--cores", "256", "--profile", str(tmp_path / "slurm"),
-                          "--configfile", "configs/paper.yaml"], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          "--directory", str(tier_dir), "--configfile", "configs/paper.yaml"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     job = r"^rule pretrain:\n(?:    .*\n)*?    wildcards: run=(\S+)\n(?:    .*\n)*?    resources: (.*)"
