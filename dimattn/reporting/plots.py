@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -166,8 +167,6 @@ def heatmap(ax, grid, vmin: float, vmax: float, cmap: str, fmt: str, colorbar_la
     heatmap draws them; a colourbar labelled ``colorbar_label`` when given. Not sns.heatmap: it
     draws the whole figure once a call (to turn overlapping tick labels), so a figure of n panels
     draws n times; cpu-full's needle map of projections (128 panels) took 49 s so."""
-    import numpy as np
-
     values = np.ma.masked_invalid(grid.to_numpy(dtype=float))
     mesh = ax.pcolormesh(values, cmap=cmap, vmin=vmin, vmax=vmax)
     ax.set(xlim=(0, values.shape[1]), ylim=(values.shape[0], 0))  # the first row on top
